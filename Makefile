@@ -1,0 +1,38 @@
+# The two commands of the README: `make book` and `make test`. Everything else is their set-up.
+PROFILE ?= cpu
+VENV    ?= .venv
+PYTHON  := $(VENV)/bin/python
+SYSTEM_PYTHON ?= python3
+
+.PHONY: book test setup browser html clean
+
+book: setup
+	$(PYTHON) -m grpo_companion book --profile $(PROFILE)
+
+test: setup browser
+	$(PYTHON) -m pytest
+
+setup: $(VENV)/.installed node_modules/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -r requirements.txt
+	touch $@
+
+# MathJax 3.2.2 from npm: math renders without a network.
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Headless Chromium for the rendered-page tests (Debian packages).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; }
+
+html: setup
+	$(PYTHON) -m grpo_companion html
+
+clean:
+	rm -rf _build

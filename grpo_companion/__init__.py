@@ -1,0 +1,1 @@
+"""Reference implementations of the math in the GRPO book."""

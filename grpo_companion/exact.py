@@ -1,0 +1,204 @@
+r"""Exact moments of group-relative gradient estimators on a Bernoulli-logit prompt.
+
+The model
+---------
+One prompt with a binary reward and one parameter, the log-odds of success theta, so the
+pass rate is p = sigmoid(theta). The score s = d/dtheta log pi of a completion is
+
+    s(correct) = 1 - p,        s(incorrect) = -p,
+
+and the true policy gradient of the expected reward is dp/dtheta = p (1 - p).
+
+Sample a group of G i.i.d. completions; k ~ Binomial(G, p) of them are correct. Every method
+of `grpo_companion.advantages` gives all correct completions of a group one advantage a_c(k)
+and all incorrect ones another, a_i(k), so the estimator g = (1/G) sum_i A_i s_i depends on
+the group only through k:
+
+    g(k) = (1/G) [ k a_c(k) (1 - p) - (G - k) a_i(k) p ].
+
+Its moments are therefore finite sums with binomial weights b_k = C(G, k) p^k (1 - p)^(G - k):
+
+    E[g] = sum_k b_k g(k),          Var[g] = sum_k b_k (g(k) - E[g])^2,
+    bias = E[g] - p (1 - p),        MSE    = Var[g] + bias^2,
+    w(p) = E[g] / (p (1 - p)).
+
+The weight w is the expected step along "make correct answers likelier" in units of the true
+gradient; w = 1 is unbiased. It is not special to one parameter: completions are independent,
+so E[A_i s_i] = E[A_i E[s_i | r_i]], and for any policy E[s | correct] = grad p / p and
+E[s | incorrect] = -grad p / (1 - p); hence E[g] = w(p) grad p with the same w(p). (The
+variance does depend on the policy; here it is the Bernoulli-logit one.) At p in {0, 1} the
+target p (1 - p) is 0 and w is nan.
+
+Building a_c and a_i calls `group_advantages` once on the G + 1 canonical groups, so one
+method costs O(G^2) per group size plus O(G) per pass rate. Only per-group options are
+supported: scale_rewards="batch" couples the groups of a batch and has no per-prompt law.
+
+Dropping degenerate groups
+--------------------------
+Reinforce-Rej and DAPO's dynamic sampling drop groups with k = 0 or k = G. With
+`filter_degenerate=True` the moments are those of one *kept* group, i.e. conditioned on
+0 < k < G: b_k is renormalised by 1 - p^G - (1 - p)^G, the probability a group is kept (nan at
+p in {0, 1}, where no group is). The per-*drawn*-group mean, with dropped groups counted as
+zero, is (1 - degenerate_rate) times the per-kept-group mean.
+
+Sign and pass@G
+---------------
+"sign" (A = 2r - 1) has a_c = 1, a_i = -1, so E[g] = 2 p (1 - p): twice the pass@1 gradient at
+every p, w = 2. It is *not* the gradient of pass@G = 1 - (1 - p)^G, which is
+
+    d/dtheta pass@G = G (1 - p)^(G - 1) p (1 - p),
+
+the pass@1 gradient reweighted towards hard prompts. The exact link is through the degenerate
+groups. For any policy, the score-function identity grad P(E) = E[1_E sum_i s_i] applied to
+"all G fail" and "all G succeed" gives
+
+    E[g 1{k = 0}] = (1/G) d/dtheta pass@G,        E[g 1{k = G}] = (1/G) d/dtheta p^G,
+
+so dropping degenerate groups leaves E[g 1{0 < k < G}] = 2 p (1 - p) - (d pass@G + d p^G) / G:
+the all-wrong groups that filtering discards carry exactly the pass@G gradient (over G).
+
+Prompts with different pass rates
+---------------------------------
+`average_over_pass_rates` takes E_p of every moment for p drawn from a discrete distribution
+(values, weights); `beta_quadrature` supplies such a rule for p ~ Beta(a, b): Gauss-Jacobi
+nodes, exact for polynomials in p of degree < 2 * num_nodes. Unfiltered moments (and w) are
+polynomials of degree <= 2G + 2, so the default 128 nodes are exact, up to rounding of ~1e-9,
+for G <= 126. Filtered moments are smooth rational functions, except the filtered w, which
+grows like 1 / (p (1 - p)) at the ends (a kept group still moves theta while the target
+vanishes): its Beta average is infinite for a <= 1 or b <= 1, so average the mean instead.
+"""
+
+import numpy as np
+import torch
+from scipy.special import roots_jacobi
+from scipy.stats import binom
+
+from grpo_companion.advantages import group_advantages
+
+
+def binary_group_advantages(group_size, method="grpo", **options):
+    """Advantages (a_correct, a_incorrect) in a binary group with k = 0..G correct.
+
+    Row k of the canonical rewards, shape (G + 1, G), is k ones then G - k zeros; the methods
+    are permutation-equivariant, so its first and last entries are a_c(k) and a_i(k).
+    `options` are passed to `group_advantages`.
+
+    Returns: a_correct, a_incorrect, float64 arrays of shape (G + 1,); a_correct[0] and
+    a_incorrect[G] are nan (no such completion in the group).
+    """
+    group_size = _check_group_size(group_size)
+    if options.get("scale_rewards") == "batch":
+        raise ValueError(
+            "scale_rewards='batch' couples the groups of a batch; exact moments support only "
+            "the per-group options 'group' and 'none'"
+        )
+    successes = np.arange(group_size + 1)
+    rewards = (np.arange(group_size) < successes[:, None]).astype(np.float64)
+    advantages = group_advantages(torch.from_numpy(rewards), method, **options).numpy()
+    a_correct = np.where(successes > 0, advantages[:, 0], np.nan)
+    a_incorrect = np.where(successes < group_size, advantages[:, -1], np.nan)
+    return a_correct, a_incorrect
+
+
+def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerate=False,
+                      **options):
+    """Exact moments of g = (1/G) sum_i A_i s_i for each pass rate p (see module docstring).
+
+    Args:
+        pass_rates: (P,) or scalar, values in [0, 1].
+        group_size: G >= 2.
+        method: one of `grpo_companion.advantages.METHODS`.
+        filter_degenerate: condition on a kept group, 0 < k < G (Reinforce-Rej / DAPO).
+        options: per-group options of `group_advantages` (eps, unbiased_std, temperature, ...).
+
+    Returns: dict of float64 arrays of shape (P,): mean, variance, bias, mse, weight (E[g] over
+    p (1 - p), nan at p in {0, 1}) and degenerate_rate = p^G + (1 - p)^G.
+    """
+    p = _check_pass_rates(pass_rates)[:, None]
+    a_correct, a_incorrect = binary_group_advantages(group_size, method, **options)
+    k = np.arange(group_size + 1)
+    # The undefined advantages (nan) enter with multiplicity k = 0 or G - k = 0.
+    correct = np.where(k > 0, k * a_correct, 0.0)
+    incorrect = np.where(k < group_size, (group_size - k) * a_incorrect, 0.0)
+    estimates = (correct * (1 - p) - incorrect * p) / group_size  # g(k), (P, G + 1)
+    probs = binom.pmf(k, group_size, p)  # (P, G + 1)
+    degenerate_rate = probs[:, 0] + probs[:, -1]
+    if filter_degenerate:
+        probs[:, [0, -1]] = 0.0
+        # Sum the kept terms instead of 1 - degenerate_rate: no cancellation for p near 0 or 1.
+        with np.errstate(invalid="ignore"):
+            probs /= probs.sum(axis=1, keepdims=True)
+    mean = (probs * estimates).sum(axis=1)
+    variance = (probs * (estimates - mean[:, None]) ** 2).sum(axis=1)
+    true_gradient = (p * (1 - p))[:, 0]
+    bias = mean - true_gradient
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weight = mean / true_gradient
+    return {"mean": mean, "variance": variance, "bias": bias, "mse": variance + bias**2,
+            "weight": weight, "degenerate_rate": degenerate_rate}
+
+
+def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kwargs):
+    """E_p of every entry of `estimator_moments`, for p = pass_rates[j] with prob. weights[j].
+
+    Args:
+        pass_rates: (P,) values in [0, 1].
+        weights: (P,) non-negative, normalised here to sum to 1.
+        kwargs: forwarded to `estimator_moments` (filter_degenerate and advantage options).
+
+    Returns: dict of floats with the keys of `estimator_moments`. Each is the plain prompt
+    average; with filter_degenerate, prompts are not reweighted by their keep rate.
+    """
+    pass_rates = _check_pass_rates(pass_rates)
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.shape != pass_rates.shape or not np.all(weights >= 0) or weights.sum() <= 0:
+        raise ValueError(
+            f"weights must be non-negative, not all zero, with the shape of pass_rates "
+            f"{pass_rates.shape}; got shape {weights.shape}"
+        )
+    moments = estimator_moments(pass_rates, group_size, method, **kwargs)
+    return {key: float(weights @ value / weights.sum()) for key, value in moments.items()}
+
+
+def beta_quadrature(a, b, num_nodes=128):
+    """Nodes and weights with sum_j weights[j] f(pass_rates[j]) ~= E[f(p)], p ~ Beta(a, b).
+
+    Gauss-Jacobi on [-1, 1] with weight (1 - x)^(b - 1) (1 + x)^(a - 1), mapped by
+    p = (1 + x) / 2; the density singularities for a < 1 or b < 1 sit in the weight, so the
+    rule stays exact for polynomials of degree < 2 * num_nodes.
+
+    Returns: pass_rates, weights, each float64 of shape (num_nodes,), in (0, 1) and summing to 1.
+    """
+    if not (a > 0 and b > 0):
+        raise ValueError(f"Beta parameters must be > 0, got a={a}, b={b}")
+    nodes, weights = roots_jacobi(num_nodes, b - 1, a - 1)
+    return (1 + nodes) / 2, weights / weights.sum()
+
+
+def pass_at_g(pass_rates, group_size):
+    """P(at least one of G completions is correct) = 1 - (1 - p)^G; (P,) like pass_rates."""
+    group_size = _check_group_size(group_size)
+    return 1 - (1 - _check_pass_rates(pass_rates)) ** group_size
+
+
+def grad_pass_at_g(pass_rates, group_size):
+    """d/dtheta pass@G = G (1 - p)^(G - 1) * p (1 - p), with theta = logit(p); (P,)."""
+    group_size = _check_group_size(group_size)
+    p = _check_pass_rates(pass_rates)
+    return group_size * (1 - p) ** group_size * p
+
+
+def _check_group_size(group_size):
+    if int(group_size) != group_size or group_size < 2:
+        raise ValueError(f"group_size must be an integer >= 2, got {group_size}")
+    return int(group_size)
+
+
+def _check_pass_rates(pass_rates):
+    p = np.atleast_1d(np.asarray(pass_rates, dtype=np.float64))
+    if p.ndim != 1:
+        raise ValueError(f"pass_rates must be a scalar or 1-D, got shape {p.shape}")
+    outside = p[~((p >= 0) & (p <= 1))]  # also catches nan
+    if outside.size:
+        raise ValueError(f"pass_rates must lie in [0, 1], got {outside[:5]}")
+    return p

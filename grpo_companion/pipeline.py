@@ -1,0 +1,216 @@
+"""Execute the chapters with papermill and render the book with Jupyter Book 1.
+
+Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs.  A run:
+
+1. reads the chapter's `parameters` cell and refuses, before any cell runs, an override whose
+   name the chapter does not declare or whose type differs from the default's;
+2. converts the source with jupytext and executes it with papermill into `_build/tmp/<chapter>/`,
+   injecting the profile's parameters (`book/profiles.toml`), the user's overrides,
+   `profile` and `output_dir`;
+3. only when every cell succeeded, replaces the chapter's published outputs in one move each:
+   `_build/source/book/<chapter>.ipynb`, `_build/figures/<chapter>/`, `_build/results/<chapter>.json`.
+   A failing chapter leaves its partial notebook in `_build/failed/` and every published output
+   as it was.
+
+`build_html` renders `_build/source` (a copy of the book with the executed notebooks) into
+`_build/html` with `execute_notebooks: off` and warnings as errors.
+"""
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
+
+
+class PipelineError(Exception):
+    """Bad input or a failed step; the message is the whole story, one line where possible."""
+
+
+@dataclass(frozen=True)
+class Project:
+    """A book: `root` holds `_config.yml`, `_toc.yml`, `book/` and `node_modules/mathjax`;
+    everything generated goes under `build_dir` (default `root/_build`)."""
+
+    root: Path
+    build_dir: Path | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root).resolve())
+        object.__setattr__(self, "build_dir", Path(self.build_dir or self.root / "_build").resolve())
+
+    @property
+    def chapters(self) -> list[str]:
+        return sorted(path.stem for path in (self.root / "book").glob("[0-9][0-9]_*.md"))
+
+    @property
+    def profiles(self) -> dict[str, dict[str, dict]]:
+        with open(self.root / "book" / "profiles.toml", "rb") as file:
+            return tomllib.load(file)
+
+    def source(self, chapter: str) -> Path:
+        if chapter not in self.chapters:
+            raise PipelineError(f"unknown chapter {chapter!r}; valid chapters: {', '.join(self.chapters)}")
+        return self.root / "book" / f"{chapter}.md"
+
+    def results_path(self, chapter: str) -> Path:
+        return self.build_dir / "results" / f"{chapter}.json"
+
+
+def chapter_parameters(path: Path) -> dict:
+    """The defaults declared in the cell tagged `parameters`, as Python values."""
+    import jupytext
+
+    cells = [cell for cell in jupytext.read(path).cells if "parameters" in cell.metadata.get("tags", [])]
+    if len(cells) != 1:
+        raise PipelineError(f"{path.name}: needs exactly one cell tagged 'parameters', found {len(cells)}")
+    defaults = {}
+    for statement in ast.parse(cells[0].source).body:
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name)):
+            raise PipelineError(f"{path.name}: the parameters cell may hold only `name = literal` lines")
+        defaults[statement.targets[0].id] = ast.literal_eval(statement.value)
+    missing = [name for name in RESERVED if name not in defaults]
+    if missing:
+        raise PipelineError(f"{path.name}: the parameters cell must declare {', '.join(missing)}")
+    return defaults
+
+
+def parse_value(text: str):
+    """A command-line value: a Python literal when it is one (`2000`, `0.5`, `True`, `[2, 4]`), else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _type_ok(value, default) -> bool:
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def resolve_parameters(project: Project, chapter: str, profile: str, overrides: dict | None = None) -> dict:
+    """The profile's values for `chapter`, then `overrides`, each checked against the defaults."""
+    profiles = project.profiles
+    if profile not in profiles:
+        raise PipelineError(f"unknown profile {profile!r}; valid profiles: {', '.join(profiles)}")
+    defaults = chapter_parameters(project.source(chapter))
+    parameters = {**profiles[profile].get(chapter, {}), **(overrides or {})}
+    for name, value in parameters.items():
+        if name in RESERVED:
+            raise PipelineError(f"chapter {chapter}: parameter {name!r} is set by the pipeline, not by hand")
+        if name not in defaults:
+            accepted = ", ".join(sorted(set(defaults) - set(RESERVED)))
+            raise PipelineError(f"chapter {chapter}: unknown parameter {name!r}; accepted parameters: {accepted}")
+        if not _type_ok(value, defaults[name]):
+            raise PipelineError(
+                f"chapter {chapter}: parameter {name!r} must be {type(defaults[name]).__name__} "
+                f"like its default {defaults[name]!r}, got {type(value).__name__} {value!r}"
+            )
+    return parameters
+
+
+def _failing_cell(notebook_path: Path) -> str:
+    """'code cell N (`first line`)' for the first cell with an error output, N counting the
+    source's code cells from 1 (the injected parameters cell is not one of them)."""
+    notebook = json.loads(notebook_path.read_text())
+    number = 0
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code" or "injected-parameters" in cell["metadata"].get("tags", []):
+            continue
+        number += 1
+        if any(output.get("output_type") == "error" for output in cell.get("outputs", [])):
+            first_line = "".join(cell["source"]).strip().splitlines()[0] if cell["source"] else ""
+            return f"code cell {number} (`{first_line}`)"
+    return "an unknown cell"
+
+
+def _replace(new: Path, old: Path) -> None:
+    """Put `new` where `old` is, in as few steps as a POSIX file system allows."""
+    old.parent.mkdir(parents=True, exist_ok=True)
+    if new.is_dir() and old.exists():
+        trash = old.with_name(old.name + ".old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(old, trash)
+        os.replace(new, old)
+        shutil.rmtree(trash)
+    else:
+        os.replace(new, old)
+
+
+def execute_chapter(project: Project, chapter: str, profile: str = "cpu", overrides: dict | None = None, progress: bool = True) -> float:
+    """Execute one chapter and publish its outputs; returns the seconds it took."""
+    import jupytext
+    import papermill
+
+    parameters = resolve_parameters(project, chapter, profile, overrides)
+    work = project.build_dir / "tmp" / chapter
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    jupytext.write(jupytext.read(project.source(chapter)), work / "source.ipynb")
+    executed = work / f"{chapter}.ipynb"
+    parameters = {**parameters, "profile": profile, "output_dir": str(work / "out")}
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            work / "source.ipynb", executed, parameters=parameters, cwd=str(project.root),
+            progress_bar=progress, kernel_name="python3", language="python",
+        )
+    except papermill.PapermillExecutionError as error:
+        failed = project.build_dir / "failed" / f"{chapter}.ipynb"
+        _replace(executed, failed)
+        raise PipelineError(
+            f"chapter {chapter} failed in {_failing_cell(failed)} with {error.ename}: {error.evalue}; "
+            f"partially executed notebook: {failed}"
+        ) from None
+    seconds = time.perf_counter() - start
+    results = work / "out" / "results.json"
+    if not results.exists():
+        raise PipelineError(f"chapter {chapter} ran but wrote no results.json (call report.write() at the end)")
+    _replace(work / "out" / "figures", project.build_dir / "figures" / chapter)
+    _replace(results, project.results_path(chapter))
+    _replace(executed, project.build_dir / "source" / "book" / f"{chapter}.ipynb")
+    shutil.rmtree(work)
+    return seconds
+
+
+def build_html(project: Project) -> Path:
+    """Render `_build/source` to `_build/html` with Sphinx warnings as errors."""
+    source = project.build_dir / "source"
+    missing = [chapter for chapter in project.chapters if not (source / "book" / f"{chapter}.ipynb").exists()]
+    if missing:
+        raise PipelineError(f"not executed yet: {', '.join(missing)}; run `python -m grpo_companion run {missing[0]}` first")
+    mathjax = project.root / "node_modules" / "mathjax" / "es5"
+    if not mathjax.exists():
+        raise PipelineError(f"no local MathJax at {mathjax}; run `npm ci` (or `make setup`) first")
+    for name in ("_config.yml", "_toc.yml"):
+        shutil.copy2(project.root / name, source / name)
+    for page in (project.root / "book").glob("*.md"):
+        if page.stem not in project.chapters:
+            shutil.copy2(page, source / "book" / page.name)
+    static = source / "_mathjax" / "mathjax"
+    if not static.exists():
+        shutil.copytree(mathjax, static)
+    html = project.build_dir / "html"
+    # jupyter-book writes to <path-output>/_build/html; build in a scratch folder, then swap.
+    scratch = project.build_dir / "tmp" / "html"
+    shutil.rmtree(scratch, ignore_errors=True)
+    jupyter_book = Path(sys.executable).with_name("jupyter-book")
+    command = [str(jupyter_book), "build", str(source), "--path-output", str(scratch), "-W", "-n", "--keep-going", "-q"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise PipelineError(f"jupyter-book build failed (warnings are errors):\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+    _replace(scratch / "_build" / "html", html)
+    shutil.rmtree(scratch)
+    return html

@@ -1,0 +1,210 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_companion.advantages import METHODS, group_advantages
+
+
+@st.composite
+def reward_batches(draw):
+    """(num_groups, group_size) float64 rewards in [-100, 100], group_size >= 2."""
+    num_groups = draw(st.integers(1, 4))
+    group_size = draw(st.integers(2, 8))
+    values = draw(
+        st.lists(
+            st.floats(-100, 100, allow_nan=False),
+            min_size=num_groups * group_size,
+            max_size=num_groups * group_size,
+        )
+    )
+    return torch.tensor(values, dtype=torch.float64).reshape(num_groups, group_size)
+
+
+def _tolerance(rewards):
+    # Rounding in the group mean scales with the group size and the reward magnitude.
+    return 1e-9 * rewards.shape[1] * (1 + rewards.abs().max().item())
+
+
+# --- TRL conventions for "grpo" -------------------------------------------------
+
+
+def test_grpo_two_completions_uses_bessel_std_and_eps_1e4():
+    advantages = group_advantages(torch.tensor([[1.0, 0.0]], dtype=torch.float64))
+    expected = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert expected == pytest.approx(0.70700680, abs=1e-8)
+    torch.testing.assert_close(
+        advantages, torch.tensor([[expected, -expected]], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+
+
+def test_grpo_population_std_gives_about_plus_minus_one():
+    rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    advantages = group_advantages(rewards, unbiased_std=False)
+    expected = 0.5 / (0.5 + 1e-4)
+    torch.testing.assert_close(
+        advantages, torch.tensor([[expected, -expected]], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+
+
+def test_grpo_scale_rewards_group_vs_batch_hand_computed():
+    rewards = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 6.0]], dtype=torch.float64)
+    # Group means 1 and 4; deviations [-1, 0, 1] and [-1, -1, 2].
+    centered = torch.tensor([[-1.0, 0.0, 1.0], [-1.0, -1.0, 2.0]], dtype=torch.float64)
+    # Bessel group stds: sqrt(2/2) = 1 and sqrt(6/2) = sqrt(3).
+    group_std = torch.tensor([[1.0], [math.sqrt(3.0)]], dtype=torch.float64)
+    # Batch: mean 2.5, squared deviations sum to 21.5, Bessel std sqrt(21.5/5).
+    batch_std = math.sqrt(21.5 / 5)
+
+    torch.testing.assert_close(
+        group_advantages(rewards, scale_rewards="group"),
+        centered / (group_std + 1e-4),
+        rtol=0,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        group_advantages(rewards, scale_rewards="batch"),
+        centered / (batch_std + 1e-4),
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+def test_grpo_scale_rewards_none_equals_dr_grpo():
+    rewards = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 6.0]], dtype=torch.float64)
+    none = group_advantages(rewards, scale_rewards="none")
+    torch.testing.assert_close(none, group_advantages(rewards, "dr_grpo"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        none, torch.tensor([[-1.0, 0.0, 1.0], [-1.0, -1.0, 2.0]], dtype=torch.float64)
+    )
+
+
+def test_grpo_constant_group_gets_zero_advantage():
+    rewards = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    advantages = group_advantages(rewards)
+    assert torch.equal(advantages[0], torch.zeros(3))
+    assert advantages[1, 0] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dtype_and_shape_are_kept(method, dtype):
+    rewards = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], dtype=dtype)
+    advantages = group_advantages(rewards, method)
+    assert advantages.dtype == dtype
+    assert advantages.shape == rewards.shape
+
+
+# --- properties ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo", "softmax"])
+@settings(max_examples=50, deadline=None)
+@given(rewards=reward_batches())
+def test_zero_sum_per_group(method, rewards):
+    sums = group_advantages(rewards, method).sum(dim=1)
+    assert sums.abs().max().item() <= _tolerance(rewards)
+
+
+@settings(max_examples=50, deadline=None)
+@given(rewards=reward_batches())
+def test_rloo_is_rescaled_dr_grpo(rewards):
+    group_size = rewards.shape[1]
+    expected = group_size / (group_size - 1) * group_advantages(rewards, "dr_grpo")
+    diff = (group_advantages(rewards, "rloo") - expected).abs().max().item()
+    assert diff <= _tolerance(rewards)
+
+
+def test_rloo_matches_leave_one_out_loop():
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 2.0], [3.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    expected = torch.empty_like(rewards)
+    for g in range(rewards.shape[0]):
+        for i in range(rewards.shape[1]):
+            others = [rewards[g, j].item() for j in range(rewards.shape[1]) if j != i]
+            expected[g, i] = rewards[g, i] - sum(others) / len(others)
+    torch.testing.assert_close(group_advantages(rewards, "rloo"), expected, rtol=0, atol=1e-12)
+
+
+# --- softmax -----------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(rewards=reward_batches(), temperature=st.floats(1e-2, 1e2))
+def test_softmax_bounds(rewards, temperature):
+    group_size = rewards.shape[1]
+    advantages = group_advantages(rewards, "softmax", temperature=temperature)
+    assert advantages.min().item() >= -1.0
+    assert advantages.max().item() <= group_size - 1 + 1e-12
+
+
+def test_softmax_hand_computed():
+    rewards = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)
+    # softmax = [1/4, 3/4], A = 2 * softmax - 1 = [-1/2, 1/2]
+    torch.testing.assert_close(
+        group_advantages(rewards, "softmax"),
+        torch.tensor([[-0.5, 0.5]], dtype=torch.float64),
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+def test_softmax_high_temperature_gives_zero():
+    rewards = torch.tensor([[1.0, 0.0, 0.3, 0.7]], dtype=torch.float64)
+    advantages = group_advantages(rewards, "softmax", temperature=1e8)
+    assert advantages.abs().max().item() < 1e-7
+
+
+def test_softmax_low_temperature_concentrates_on_argmax():
+    rewards = torch.tensor([[0.2, 1.0, 0.0, 0.3], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    advantages = group_advantages(rewards, "softmax", temperature=1e-3)
+    # A unique maximum takes G - 1 = 3; two tied maxima split it: G/2 - 1 = 1.
+    expected = torch.tensor([[-1.0, 3.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
+
+
+# --- sign ------------------------------------------------------------------------
+
+
+def test_sign_binary_rewards():
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    assert torch.equal(group_advantages(rewards, "sign"), torch.tensor([[1.0, -1.0, 1.0, 1.0]]))
+
+
+def test_sign_threshold_and_single_completion_groups():
+    rewards = torch.tensor([[0.2], [0.7], [0.5]], dtype=torch.float64)
+    advantages = group_advantages(rewards, "sign", threshold=0.5)
+    assert torch.equal(advantages, torch.tensor([[-1.0], [1.0], [-1.0]], dtype=torch.float64))
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rewards", "kwargs", "match"),
+    [
+        (torch.tensor([1.0, 0.0]), {}, r"rewards must be 2-D.*\(2,\)"),
+        (torch.tensor([[1, 0]]), {}, r"rewards must be floating point.*int64"),
+        (torch.tensor([[1.0, float("nan")]]), {}, r"rewards must be finite"),
+        (torch.tensor([[1.0, float("inf")]]), {}, r"rewards must be finite"),
+        (torch.tensor([[1.0, 0.0]]), {"method": "ppo"}, r"unknown method 'ppo'.*'grpo'.*'softmax'"),
+        (
+            torch.tensor([[1.0, 0.0]]),
+            {"scale_rewards": "global"},
+            r"unknown scale_rewards 'global'.*'group'.*'batch'.*'none'",
+        ),
+        (torch.tensor([[1.0, 0.5]]), {"method": "sign"}, r"binary rewards.*threshold"),
+        (torch.tensor([[1.0, 0.0]]), {"method": "softmax", "temperature": 0.0}, r"temperature must be > 0"),
+        (torch.tensor([[1.0, 0.0]]), {"method": "softmax", "temperature": -1.0}, r"temperature must be > 0"),
+    ],
+)
+def test_errors(rewards, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo", "softmax"])
+def test_group_size_one_is_rejected_for_baseline_methods(method):
+    with pytest.raises(ValueError, match=rf"method '{method}' needs group_size >= 2.*\(3, 1\)"):
+        group_advantages(torch.ones(3, 1), method)

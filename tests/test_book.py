@@ -1,0 +1,127 @@
+"""The real book: every chapter executes under the `smoke` profile, the HTML builds with warnings
+as errors, and a headless Chromium finds typeset math, loaded figures and no error output on
+every page.  Everything is written to a temporary `_build`, never to the repository."""
+
+import functools
+import http.server
+import json
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from grpo_companion.pipeline import Project, build_html, execute_chapter
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+pytestmark = pytest.mark.book
+
+
+def _git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(project, seconds per chapter, git status before) after executing and rendering the book."""
+    status_before = _git_status()
+    project = Project(ROOT, build_dir=tmp_path_factory.mktemp("book") / "_build")
+    timings = {chapter: execute_chapter(project, chapter, "smoke", progress=False) for chapter in project.chapters}
+    build_html(project)
+    return project, timings, status_before
+
+
+def test_every_chapter_writes_results_and_figures(built):
+    project, timings, _ = built
+    assert list(timings) == project.chapters and project.chapters
+    for chapter in project.chapters:
+        results = json.loads(project.results_path(chapter).read_text())
+        assert results["chapter"] == chapter and results["profile"] == "smoke" and results["values"]
+        for figure in results["figures"]:
+            for suffix in ("png", "svg"):
+                assert (project.build_dir / "figures" / chapter / f"{figure}.{suffix}").stat().st_size > 1000
+
+
+def test_toc_lists_every_chapter():
+    toc = (ROOT / "_toc.yml").read_text()
+    assert [chapter for chapter in Project(ROOT).chapters if f"file: book/{chapter}\n" in toc] == Project(ROOT).chapters
+
+
+def test_execution_leaves_the_repository_untouched(built):
+    _, _, status_before = built
+    assert _git_status() == status_before
+
+
+def test_chapter_1_is_deterministic(built, tmp_path):
+    project, _, _ = built
+    again = Project(ROOT, build_dir=tmp_path / "_build")
+    execute_chapter(again, "01_policy_gradient", "smoke", progress=False)
+    first, second = project.results_path("01_policy_gradient"), again.results_path("01_policy_gradient")
+    assert first.read_bytes() == second.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def browser(built):
+    """A Chromium driven by selenium, pointed at the built HTML served on 127.0.0.1."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail("headless Chromium is missing: `make setup` installs Debian's chromium and chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    project, _, _ = built
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(project.build_dir / "html"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_script_timeout(60)
+    yield driver, f"http://127.0.0.1:{server.server_address[1]}"
+    driver.quit()
+    server.shutdown()
+
+
+PAGE_REPORT = """
+const done = arguments[arguments.length - 1];
+const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
+typeset.then(() => Promise.all(Array.from(document.images).map(img => img.decode().catch(() => null)))).then(() => done({
+  math: document.querySelectorAll("article .math").length,
+  typeset: document.querySelectorAll("article mjx-container").length,
+  math_errors: document.querySelectorAll("mjx-merror").length,
+  images: Array.from(document.querySelectorAll("article img")).map(img => [img.src, img.naturalWidth, img.naturalHeight]),
+  error_outputs: document.querySelectorAll(".output.error, .output.traceback, .output.stderr, .system-message").length,
+  text: document.body.innerText,
+}));
+"""
+
+
+@pytest.mark.parametrize("page", ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters)])
+def test_rendered_page_in_a_real_browser(browser, built, page):
+    driver, url = browser
+    driver.get(f"{url}/{page}.html")
+    report = driver.execute_async_script(PAGE_REPORT)
+    assert report["error_outputs"] == 0 and "Traceback" not in report["text"]
+    assert report["math_errors"] == 0
+    assert report["typeset"] >= report["math"]  # every math element was typeset by MathJax
+    project, _, _ = built
+    chapter = page.removeprefix("book/")
+    if chapter in project.chapters:
+        assert report["math"] > 0
+        figures = json.loads(project.results_path(chapter).read_text())["figures"]
+        assert len(report["images"]) >= len(figures)
+    assert all(width > 0 and height > 0 for _, width, height in report["images"]), report["images"]
+    # The book has no favicon; the browser's request for one is not an error of the page.
+    severe = [entry["message"] for entry in driver.get_log("browser")
+              if entry["level"] == "SEVERE" and "favicon.ico" not in entry["message"]]
+    assert not severe

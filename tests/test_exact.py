@@ -1,0 +1,180 @@
+import numpy as np
+import pytest
+import torch
+from scipy.special import betaln
+
+from grpo_companion.advantages import group_advantages
+from grpo_companion.exact import (
+    average_over_pass_rates,
+    beta_quadrature,
+    binary_group_advantages,
+    estimator_moments,
+    grad_pass_at_g,
+    pass_at_g,
+)
+
+GRID = np.linspace(0.01, 0.99, 99)
+
+# (method, options, filter_degenerate)
+ESTIMATORS = [
+    ("grpo", {}, False),
+    ("dr_grpo", {}, False),
+    ("rloo", {}, False),
+    ("sign", {}, False),
+    ("softmax", {"temperature": 0.5}, False),
+    ("softmax", {"temperature": 2.0}, False),
+    ("grpo", {}, True),
+]
+
+
+def monte_carlo_estimates(pass_rate, group_size, method, num_groups, seed, filter_degenerate,
+                          **options):
+    """g = (1/G) sum_i A_i s_i on independently sampled reward tensors, one value per group."""
+    rng = np.random.default_rng(seed)
+    rewards = (rng.random((num_groups, group_size)) < pass_rate).astype(np.float64)
+    if filter_degenerate:
+        successes = rewards.sum(axis=1)
+        rewards = rewards[(successes > 0) & (successes < group_size)]
+    advantages = group_advantages(torch.from_numpy(rewards), method, **options).numpy()
+    scores = np.where(rewards == 1, 1 - pass_rate, -pass_rate)
+    return (advantages * scores).mean(axis=1)
+
+
+@pytest.mark.parametrize("method, options, filter_degenerate", ESTIMATORS)
+@pytest.mark.parametrize("pass_rate, group_size", [(0.3, 4), (0.85, 8), (0.1, 16)])
+def test_moments_match_monte_carlo(method, options, filter_degenerate, pass_rate, group_size):
+    # Rewards are sampled per completion (not as k), so this also checks that every method
+    # gives all correct (incorrect) completions of a group the same advantage.
+    estimates = monte_carlo_estimates(pass_rate, group_size, method, 40_000, 0,
+                                      filter_degenerate, **options)
+    exact = estimator_moments(pass_rate, group_size, method,
+                              filter_degenerate=filter_degenerate, **options)
+    n = len(estimates)
+    # 5-sigma tolerances: the standard error of the sample mean is sqrt(Var / n); that of
+    # the sample variance is sqrt((mu_4 - Var^2) / n), mu_4 the (sampled) 4th central moment.
+    mean_tol = 5 * np.sqrt(exact["variance"][0] / n)
+    assert abs(estimates.mean() - exact["mean"][0]) < mean_tol
+    fourth_moment = np.mean((estimates - estimates.mean()) ** 4)
+    variance_tol = 5 * np.sqrt((fourth_moment - estimates.var() ** 2) / n)
+    assert abs(estimates.var() - exact["variance"][0]) < variance_tol
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 8, 64])
+def test_rloo_is_unbiased(group_size):
+    moments = estimator_moments(GRID, group_size, "rloo")
+    np.testing.assert_allclose(moments["weight"], 1.0, rtol=1e-10)
+    np.testing.assert_allclose(moments["bias"], 0.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 8, 64])
+def test_dr_grpo_weight_is_one_minus_one_over_g(group_size):
+    weight = estimator_moments(GRID, group_size, "dr_grpo")["weight"]
+    np.testing.assert_allclose(weight, 1 - 1 / group_size, rtol=1e-10)
+
+
+@pytest.mark.parametrize("group_size", [2, 8, 64])
+def test_degenerate_rate(group_size):
+    p = np.concatenate([[0.0, 1e-6], GRID, [1.0]])
+    rate = estimator_moments(p, group_size, "grpo")["degenerate_rate"]
+    np.testing.assert_allclose(rate, p**group_size + (1 - p) ** group_size, rtol=1e-12)
+
+
+def test_filtering_grpo_only_renormalises():
+    # GRPO already gives degenerate groups zero advantage, so g(0) = g(G) = 0.
+    plain = estimator_moments(GRID, 8, "grpo")
+    kept = estimator_moments(GRID, 8, "grpo", filter_degenerate=True)
+    np.testing.assert_allclose(kept["mean"] * (1 - plain["degenerate_rate"]), plain["mean"],
+                               rtol=1e-10)
+
+
+def test_endpoints():
+    plain = estimator_moments([0.0, 1.0], 8, "sign")
+    np.testing.assert_array_equal(plain["mean"], [0.0, 0.0])
+    np.testing.assert_array_equal(plain["variance"], [0.0, 0.0])
+    np.testing.assert_array_equal(plain["degenerate_rate"], [1.0, 1.0])
+    assert np.isnan(plain["weight"]).all()
+    kept = estimator_moments([0.0, 1.0], 8, "sign", filter_degenerate=True)
+    assert np.isnan(kept["mean"]).all() and np.isnan(kept["variance"]).all()
+
+
+def test_binary_group_advantages():
+    a_correct, a_incorrect = binary_group_advantages(2, "grpo")
+    assert np.isnan(a_correct[0]) and np.isnan(a_incorrect[2])
+    # k = 1 of 2: rewards (1, 0), Bessel std sqrt(1/2), centred rewards +-1/2.
+    np.testing.assert_allclose([a_correct[1], a_incorrect[1]],
+                               np.array([0.5, -0.5]) / (np.sqrt(0.5) + 1e-4), rtol=1e-12)
+    np.testing.assert_array_equal([a_correct[2], a_incorrect[0]], [0.0, 0.0])
+
+
+@pytest.mark.parametrize("a, b", [(0.5, 0.5), (2.0, 5.0), (30.0, 10.0)])
+@pytest.mark.parametrize("group_size", [1, 8, 64])
+def test_beta_quadrature_moments(a, b, group_size):
+    pass_rates, weights = beta_quadrature(a, b)
+    expected = np.exp(betaln(a + group_size, b) - betaln(a, b))
+    np.testing.assert_allclose(weights @ pass_rates**group_size, expected, rtol=1e-8)
+
+
+def test_beta_average_of_moments():
+    a, b, group_size = 0.7, 3.0, 16
+    averaged = average_over_pass_rates(*beta_quadrature(a, b), group_size, "rloo")
+    expected = (np.exp(betaln(a + group_size, b) - betaln(a, b))
+                + np.exp(betaln(a, b + group_size) - betaln(a, b)))
+    np.testing.assert_allclose(averaged["degenerate_rate"], expected, rtol=1e-8)
+    np.testing.assert_allclose(averaged["weight"], 1.0, rtol=1e-10)
+
+
+def test_discrete_average():
+    averaged = average_over_pass_rates([0.2, 0.7], [1.0, 3.0], 4, "grpo", filter_degenerate=True)
+    moments = estimator_moments([0.2, 0.7], 4, "grpo", filter_degenerate=True)
+    for key, values in moments.items():
+        np.testing.assert_allclose(averaged[key], (values[0] + 3 * values[1]) / 4, rtol=1e-12)
+
+
+def test_grad_pass_at_g_is_derivative_in_log_odds():
+    theta, h, group_size = np.linspace(-4, 4, 17), 1e-4, 8
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    finite_difference = (pass_at_g(sigmoid(theta + h), group_size)
+                         - pass_at_g(sigmoid(theta - h), group_size)) / (2 * h)
+    np.testing.assert_allclose(grad_pass_at_g(sigmoid(theta), group_size), finite_difference,
+                               rtol=1e-6, atol=1e-11)
+
+
+@pytest.mark.parametrize("group_size", [2, 4, 16, 64])
+def test_sign_and_pass_at_g(group_size):
+    p, G = GRID, group_size
+    plain = estimator_moments(p, G, "sign")
+    # Sign is twice the pass@1 gradient at every p, not the pass@G gradient.
+    np.testing.assert_allclose(plain["mean"], 2 * p * (1 - p), rtol=1e-12)
+    # The all-wrong groups alone carry exactly grad pass@G / G: g(0) = -a_i(0) p, P(k=0) = (1-p)^G.
+    a_incorrect = binary_group_advantages(G, "sign")[1]
+    np.testing.assert_allclose((1 - p) ** G * -a_incorrect[0] * p, grad_pass_at_g(p, G) / G,
+                               rtol=1e-12)
+    # Hence dropping degenerate groups subtracts (grad pass@G + grad p^G) / G.
+    kept = estimator_moments(p, G, "sign", filter_degenerate=True)
+    grad_all_correct = G * p**G * (1 - p)
+    np.testing.assert_allclose(
+        kept["mean"] * (1 - kept["degenerate_rate"]),
+        2 * p * (1 - p) - (grad_pass_at_g(p, G) + grad_all_correct) / G,
+        rtol=1e-10, atol=1e-15,
+    )
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: estimator_moments([0.5, 1.2], 4), r"\[0, 1\]"),
+    (lambda: estimator_moments(-0.1, 4), r"\[0, 1\]"),
+    (lambda: estimator_moments(np.nan, 4), r"\[0, 1\]"),
+    (lambda: estimator_moments(np.full((2, 2), 0.5), 4), "1-D"),
+    (lambda: estimator_moments(0.5, 1), "group_size"),
+    (lambda: estimator_moments(0.5, 2.5), "group_size"),
+    (lambda: estimator_moments(0.5, 4, "ppo"), "grpo.*dr_grpo.*rloo.*sign.*softmax"),
+    (lambda: estimator_moments(0.5, 4, scale_rewards="batch"), "per-group"),
+    (lambda: beta_quadrature(0.0, 1.0), "> 0"),
+    (lambda: beta_quadrature(1.0, -2.0), "> 0"),
+    (lambda: average_over_pass_rates([0.2, 0.5], [1.0, -1.0], 4), "non-negative"),
+    (lambda: average_over_pass_rates([0.2, 0.5], [1.0], 4), "shape"),
+    (lambda: pass_at_g(1.5, 4), r"\[0, 1\]"),
+    (lambda: grad_pass_at_g(0.5, 0), "group_size"),
+])
+def test_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

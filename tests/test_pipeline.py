@@ -1,0 +1,140 @@
+"""The pipeline's promises, on a two-chapter fixture book: bad input is refused before any cell
+runs, a failing chapter is reported with its cell and leaves every published output intact, and
+a Sphinx warning fails the HTML build."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo_companion.__main__ import main
+from grpo_companion.pipeline import PipelineError, Project, build_html, execute_chapter, parse_value, resolve_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHAPTER = """\
+---
+jupytext:
+  text_representation: {{extension: .md, format_name: myst}}
+kernelspec: {{display_name: Python 3, language: python, name: python3}}
+---
+
+# {title}
+
+```{{code-cell}} ipython3
+:tags: [parameters]
+
+profile = "cpu"
+output_dir = "scratch"
+seed = 0
+num_samples = 10
+rate = 0.5
+fail = False
+```
+
+```{{code-cell}} ipython3
+import matplotlib.pyplot as plt
+from grpo_companion.report import ChapterReport
+
+report = ChapterReport("{name}", output_dir, profile, seed)
+report.record("total", num_samples * rate)
+fig, ax = plt.subplots()
+ax.plot([0, 1], [0, num_samples])
+report.figure(fig, "line")
+plt.show()
+```
+
+```{{code-cell}} ipython3
+if fail:
+    raise RuntimeError("deliberately broken")
+report.write();
+```
+
+The total is {{glue:text}}`{glue_key}`.
+"""
+
+
+def make_book(root: Path, glue_key: str = "total") -> Project:
+    (root / "book").mkdir(parents=True)
+    (root / "_config.yml").write_text((ROOT / "_config.yml").read_text())
+    (root / "_toc.yml").write_text("format: jb-book\nroot: book/intro\nchapters:\n  - file: book/01_first\n  - file: book/02_second\n")
+    (root / "book" / "intro.md").write_text("# Fixture book\n")
+    (root / "book" / "profiles.toml").write_text("[cpu]\n[smoke.01_first]\nnum_samples = 2\n")
+    for name, title in (("01_first", "First"), ("02_second", "Second")):
+        (root / "book" / f"{name}.md").write_text(CHAPTER.format(name=name, title=title, glue_key=glue_key))
+    (root / "node_modules").mkdir()
+    (root / "node_modules" / "mathjax").symlink_to(ROOT / "node_modules" / "mathjax")
+    return Project(root)
+
+
+@pytest.fixture
+def book(tmp_path) -> Project:
+    return make_book(tmp_path)
+
+
+def published(project: Project) -> dict[str, bytes]:
+    return {str(path.relative_to(project.build_dir)): path.read_bytes()
+            for folder in ("results", "figures", "source") for path in sorted((project.build_dir / folder).rglob("*")) if path.is_file()}
+
+
+def test_profile_values_and_overrides_are_resolved(book):
+    assert resolve_parameters(book, "01_first", "smoke") == {"num_samples": 2}
+    assert resolve_parameters(book, "01_first", "smoke", {"rate": 1}) == {"num_samples": 2, "rate": 1}
+    assert resolve_parameters(book, "02_second", "smoke") == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "01_first", "-p", "num_smaples", "3"],
+         "chapter 01_first: unknown parameter 'num_smaples'; accepted parameters: fail, num_samples, rate, seed"),
+        (["run", "01_first", "-p", "num_samples", "many"],
+         "chapter 01_first: parameter 'num_samples' must be int like its default 10, got str 'many'"),
+        (["run", "01_first", "-p", "fail", "1"], "parameter 'fail' must be bool"),
+        (["run", "01_first", "-p", "output_dir", "x"], "parameter 'output_dir' is set by the pipeline"),
+        (["run", "01_first", "--profile", "fast"], "unknown profile 'fast'; valid profiles: cpu, smoke"),
+        (["run", "03_third"], "unknown chapter '03_third'; valid chapters: 01_first, 02_second"),
+    ],
+)
+def test_bad_input_is_refused_before_any_cell_runs(book, capsys, argv, message):
+    assert main(["--root", str(book.root), *argv]) == 1
+    error = capsys.readouterr().err
+    assert message in error
+    assert error.count("\n") == 1  # one line
+    assert not book.build_dir.exists()  # nothing was executed, nothing written
+
+
+def test_parse_value_reads_literals_and_falls_back_to_strings():
+    assert parse_value("2000") == 2000 and parse_value("0.5") == 0.5 and parse_value("True") is True
+    assert parse_value("[2, 4]") == [2, 4] and parse_value("tiny-llama") == "tiny-llama"
+
+
+def test_failing_chapter_names_its_cell_and_keeps_previous_outputs(book, capsys):
+    assert main(["--root", str(book.root), "run", "01_first", "02_second", "--no-progress"]) == 0
+    assert json.loads(book.results_path("01_first").read_text())["values"] == {"total": 5.0}
+    before = published(book)
+    assert "figures/01_first/line.png" in before and "source/book/02_second.ipynb" in before
+
+    assert main(["--root", str(book.root), "run", "01_first", "-p", "fail", "True", "-p", "num_samples", "99", "--no-progress"]) == 1
+    error = capsys.readouterr().err
+    failed = book.build_dir / "failed" / "01_first.ipynb"
+    assert "chapter 01_first failed in code cell 3 (`if fail:`) with RuntimeError: deliberately broken" in error
+    assert f"partially executed notebook: {failed}" in error
+    assert "deliberately broken" in failed.read_text()
+    assert published(book) == before  # the earlier run's outputs, byte for byte
+
+
+def test_a_sphinx_warning_fails_the_build(tmp_path):
+    project = make_book(tmp_path, glue_key="no_such_key")
+    for chapter in project.chapters:
+        execute_chapter(project, chapter, "smoke", progress=False)
+    with pytest.raises(PipelineError, match="no_such_key"):
+        build_html(project)
+    assert not (project.build_dir / "html").exists()
+
+
+def test_html_needs_every_chapter_executed(book):
+    execute_chapter(book, "01_first", "smoke", progress=False)
+    with pytest.raises(PipelineError, match="not executed yet: 02_second"):
+        build_html(book)
