@@ -1,7 +1,7 @@
 """Command line: `python -m grpo_companion {list,run,book,html}`; `--help` on each says more.
 
-    python -m grpo_companion book --profile smoke           # every chapter, then the HTML
-    python -m grpo_companion run 01_policy_gradient -p num_repeats 50
+python -m grpo_companion book --profile smoke           # every chapter, then the HTML
+python -m grpo_companion run 01_policy_gradient -p num_repeats 50
 """
 
 import argparse
@@ -16,24 +16,46 @@ from .pipeline import PipelineError, Project, build_html, execute_chapter, parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m grpo_companion", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the book's folder (default: here)")
+    parser = argparse.ArgumentParser(
+        prog="python -m grpo_companion", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--root", type=Path, default=Path.cwd(), help="the book's folder (default: here)"
+    )
     parser.add_argument("--build-dir", type=Path, help="where outputs go (default: ROOT/_build)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="chapters, their parameters and the profiles")
-    for name, text in (("run", "execute chapters (no HTML)"), ("book", "execute every chapter, then build the HTML")):
+    for name, text in (
+        ("run", "execute chapters (no HTML)"),
+        ("book", "execute every chapter, then build the HTML"),
+    ):
         command = commands.add_parser(name, help=text)
-        command.add_argument("--profile", default="cpu", help="parameter profile from book/profiles.toml (default: cpu)")
+        command.add_argument(
+            "--profile",
+            default="cpu",
+            help="parameter profile from book/profiles.toml (default: cpu)",
+        )
         if name == "run":
             command.add_argument("chapters", nargs="+", metavar="CHAPTER")
-            command.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                                 help="override a parameter of the named chapters (repeatable)")
-        command.add_argument("--no-progress", action="store_true", help="hide papermill's cell progress bar")
+            command.add_argument(
+                "-p",
+                "--parameter",
+                nargs=2,
+                action="append",
+                default=[],
+                metavar=("NAME", "VALUE"),
+                help="override a parameter of the named chapters (repeatable)",
+            )
+        command.add_argument(
+            "--no-progress", action="store_true", help="hide papermill's cell progress bar"
+        )
     commands.add_parser("html", help="build the HTML from the chapters executed so far")
     return parser
 
 
-def _execute(project: Project, chapters: list[str], profile: str, overrides: dict, progress: bool) -> dict[str, float]:
+def _execute(
+    project: Project, chapters: list[str], profile: str, overrides: dict, progress: bool
+) -> dict[str, float]:
     for chapter in chapters:
         project.source(chapter)  # unknown names fail before anything runs
     timings = {}
@@ -71,7 +93,9 @@ def main(argv=None) -> int:
         if args.command in ("book", "html"):
             start = time.perf_counter()
             html = build_html(project)
-            print(f"built the HTML in {time.perf_counter() - start:.1f} s; open {html / 'index.html'}")
+            print(
+                f"built the HTML in {time.perf_counter() - start:.1f} s; open {html / 'index.html'}"
+            )
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

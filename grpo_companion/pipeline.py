@@ -44,7 +44,9 @@ class Project:
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).resolve())
-        object.__setattr__(self, "build_dir", Path(self.build_dir or self.root / "_build").resolve())
+        object.__setattr__(
+            self, "build_dir", Path(self.build_dir or self.root / "_build").resolve()
+        )
 
     @property
     def chapters(self) -> list[str]:
@@ -57,7 +59,9 @@ class Project:
 
     def source(self, chapter: str) -> Path:
         if chapter not in self.chapters:
-            raise PipelineError(f"unknown chapter {chapter!r}; valid chapters: {', '.join(self.chapters)}")
+            raise PipelineError(
+                f"unknown chapter {chapter!r}; valid chapters: {', '.join(self.chapters)}"
+            )
         return self.root / "book" / f"{chapter}.md"
 
     def results_path(self, chapter: str) -> Path:
@@ -68,13 +72,23 @@ def chapter_parameters(path: Path) -> dict:
     """The defaults declared in the cell tagged `parameters`, as Python values."""
     import jupytext
 
-    cells = [cell for cell in jupytext.read(path).cells if "parameters" in cell.metadata.get("tags", [])]
+    cells = [
+        cell for cell in jupytext.read(path).cells if "parameters" in cell.metadata.get("tags", [])
+    ]
     if len(cells) != 1:
-        raise PipelineError(f"{path.name}: needs exactly one cell tagged 'parameters', found {len(cells)}")
+        raise PipelineError(
+            f"{path.name}: needs exactly one cell tagged 'parameters', found {len(cells)}"
+        )
     defaults = {}
     for statement in ast.parse(cells[0].source).body:
-        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name)):
-            raise PipelineError(f"{path.name}: the parameters cell may hold only `name = literal` lines")
+        if not (
+            isinstance(statement, ast.Assign)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name)
+        ):
+            raise PipelineError(
+                f"{path.name}: the parameters cell may hold only `name = literal` lines"
+            )
         defaults[statement.targets[0].id] = ast.literal_eval(statement.value)
     missing = [name for name in RESERVED if name not in defaults]
     if missing:
@@ -100,7 +114,9 @@ def _type_ok(value, default) -> bool:
     return isinstance(value, type(default))
 
 
-def resolve_parameters(project: Project, chapter: str, profile: str, overrides: dict | None = None) -> dict:
+def resolve_parameters(
+    project: Project, chapter: str, profile: str, overrides: dict | None = None
+) -> dict:
     """The profile's values for `chapter`, then `overrides`, each checked against the defaults."""
     profiles = project.profiles
     if profile not in profiles:
@@ -109,10 +125,14 @@ def resolve_parameters(project: Project, chapter: str, profile: str, overrides: 
     parameters = {**profiles[profile].get(chapter, {}), **(overrides or {})}
     for name, value in parameters.items():
         if name in RESERVED:
-            raise PipelineError(f"chapter {chapter}: parameter {name!r} is set by the pipeline, not by hand")
+            raise PipelineError(
+                f"chapter {chapter}: parameter {name!r} is set by the pipeline, not by hand"
+            )
         if name not in defaults:
             accepted = ", ".join(sorted(set(defaults) - set(RESERVED)))
-            raise PipelineError(f"chapter {chapter}: unknown parameter {name!r}; accepted parameters: {accepted}")
+            raise PipelineError(
+                f"chapter {chapter}: unknown parameter {name!r}; accepted parameters: {accepted}"
+            )
         if not _type_ok(value, defaults[name]):
             raise PipelineError(
                 f"chapter {chapter}: parameter {name!r} must be {type(defaults[name]).__name__} "
@@ -149,7 +169,13 @@ def _replace(new: Path, old: Path) -> None:
         os.replace(new, old)
 
 
-def execute_chapter(project: Project, chapter: str, profile: str = "cpu", overrides: dict | None = None, progress: bool = True) -> float:
+def execute_chapter(
+    project: Project,
+    chapter: str,
+    profile: str = "cpu",
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> float:
     """Execute one chapter and publish its outputs; returns the seconds it took."""
     import jupytext
     import papermill
@@ -164,8 +190,13 @@ def execute_chapter(project: Project, chapter: str, profile: str = "cpu", overri
     start = time.perf_counter()
     try:
         papermill.execute_notebook(
-            work / "source.ipynb", executed, parameters=parameters, cwd=str(project.root),
-            progress_bar=progress, kernel_name="python3", language="python",
+            work / "source.ipynb",
+            executed,
+            parameters=parameters,
+            cwd=str(project.root),
+            progress_bar=progress,
+            kernel_name="python3",
+            language="python",
         )
     except papermill.PapermillExecutionError as error:
         failed = project.build_dir / "failed" / f"{chapter}.ipynb"
@@ -177,7 +208,9 @@ def execute_chapter(project: Project, chapter: str, profile: str = "cpu", overri
     seconds = time.perf_counter() - start
     results = work / "out" / "results.json"
     if not results.exists():
-        raise PipelineError(f"chapter {chapter} ran but wrote no results.json (call report.write() at the end)")
+        raise PipelineError(
+            f"chapter {chapter} ran but wrote no results.json (call report.write() at the end)"
+        )
     _replace(work / "out" / "figures", project.build_dir / "figures" / chapter)
     _replace(results, project.results_path(chapter))
     _replace(executed, project.build_dir / "source" / "book" / f"{chapter}.ipynb")
@@ -188,9 +221,15 @@ def execute_chapter(project: Project, chapter: str, profile: str = "cpu", overri
 def build_html(project: Project) -> Path:
     """Render `_build/source` to `_build/html` with Sphinx warnings as errors."""
     source = project.build_dir / "source"
-    missing = [chapter for chapter in project.chapters if not (source / "book" / f"{chapter}.ipynb").exists()]
+    missing = [
+        chapter
+        for chapter in project.chapters
+        if not (source / "book" / f"{chapter}.ipynb").exists()
+    ]
     if missing:
-        raise PipelineError(f"not executed yet: {', '.join(missing)}; run `python -m grpo_companion run {missing[0]}` first")
+        raise PipelineError(
+            f"not executed yet: {', '.join(missing)}; run `python -m grpo_companion run {missing[0]}` first"
+        )
     mathjax = project.root / "node_modules" / "mathjax" / "es5"
     if not mathjax.exists():
         raise PipelineError(f"no local MathJax at {mathjax}; run `npm ci` (or `make setup`) first")
@@ -207,10 +246,22 @@ def build_html(project: Project) -> Path:
     scratch = project.build_dir / "tmp" / "html"
     shutil.rmtree(scratch, ignore_errors=True)
     jupyter_book = Path(sys.executable).with_name("jupyter-book")
-    command = [str(jupyter_book), "build", str(source), "--path-output", str(scratch), "-W", "-n", "--keep-going", "-q"]
+    command = [
+        str(jupyter_book),
+        "build",
+        str(source),
+        "--path-output",
+        str(scratch),
+        "-W",
+        "-n",
+        "--keep-going",
+        "-q",
+    ]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
-        raise PipelineError(f"jupyter-book build failed (warnings are errors):\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        raise PipelineError(
+            f"jupyter-book build failed (warnings are errors):\n{run.stdout[-4000:]}{run.stderr[-4000:]}"
+        )
     _replace(scratch / "_build" / "html", html)
     shutil.rmtree(scratch)
     return html

@@ -46,7 +46,9 @@ class SequencePolicy:
 
     def __post_init__(self):
         if self.vocab_size < 2 or self.length < 1:
-            raise ValueError(f"need vocab_size >= 2 and length >= 1, got {self.vocab_size}, {self.length}")
+            raise ValueError(
+                f"need vocab_size >= 2 and length >= 1, got {self.vocab_size}, {self.length}"
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -71,11 +73,16 @@ class SequencePolicy:
         bos = torch.full_like(sequences[:, :1], self.vocab_size)
         return torch.cat([bos, sequences[:, :-1]], dim=1)
 
-    def log_prob(self, logits: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
-        """log pi(y) for `sequences: (n, length)`, returns `(n,)`; differentiable in logits."""
+    def token_log_probs(self, logits: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """log pi(y_t | y_{t-1}) of each token of `sequences: (n, length)`, returns `(n, length)`:
+        the per-token log-probabilities a GRPO loss works on; differentiable in logits."""
         log_softmax = torch.log_softmax(logits, dim=-1)
         steps = torch.arange(self.length)
-        return log_softmax[steps, self._contexts(sequences), sequences].sum(dim=1)
+        return log_softmax[steps, self._contexts(sequences), sequences]
+
+    def log_prob(self, logits: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """log pi(y) for `sequences: (n, length)`, returns `(n,)`; differentiable in logits."""
+        return self.token_log_probs(logits, sequences).sum(dim=1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """pi(y) for every sequence, `(num_sequences,)`."""
@@ -106,13 +113,17 @@ class SequencePolicy:
         scores[torch.arange(n)[:, None], steps, contexts] = token_scores
         return scores.flatten(start_dim=1)
 
-    def sample(self, logits: torch.Tensor, num_samples: int, generator: torch.Generator) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, num_samples: int, generator: torch.Generator
+    ) -> torch.Tensor:
         """Sequence numbers `(num_samples,)` drawn i.i.d. from pi.
 
         Sampling the enumerated joint distribution is the same distribution as sampling token
         by token, and lets the estimators below index precomputed score tables.
         """
-        return torch.multinomial(self.probs(logits), num_samples, replacement=True, generator=generator)
+        return torch.multinomial(
+            self.probs(logits), num_samples, replacement=True, generator=generator
+        )
 
 
 def softmax_policy_gradient(logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -135,7 +146,9 @@ def reinforce_gradient(scores: torch.Tensor, rewards: torch.Tensor, baseline=0.0
     return ((rewards - baseline)[:, None] * scores).mean(dim=0)
 
 
-def estimator_variance(policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor, baselines) -> torch.Tensor:
+def estimator_variance(
+    policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor, baselines
+) -> torch.Tensor:
     """Exact V(b) = E[(r - b)^2 ||s||^2] - ||grad J||^2 of a single-sample estimator, by enumeration.
 
     `rewards: (num_sequences,)`; `baselines`: a number or a tensor `(num_baselines,)`; returns
@@ -157,8 +170,13 @@ def optimal_baseline(policy: SequencePolicy, logits: torch.Tensor, rewards: torc
 
 
 def reinforce_estimates(
-    policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor, num_samples: int,
-    num_repeats: int, generator: torch.Generator, baseline: float = 0.0,
+    policy: SequencePolicy,
+    logits: torch.Tensor,
+    rewards: torch.Tensor,
+    num_samples: int,
+    num_repeats: int,
+    generator: torch.Generator,
+    baseline: float = 0.0,
 ) -> torch.Tensor:
     """`num_repeats` independent REINFORCE estimates g_b, each from `num_samples` fresh samples:
     `(num_repeats, num_params)`.
@@ -168,11 +186,16 @@ def reinforce_estimates(
     """
     probs = policy.probs(logits)
     score_table = policy.scores(logits, policy.all_sequences())
-    frequencies = torch.stack([
-        torch.bincount(torch.multinomial(probs, num_samples, replacement=True, generator=generator),
-                       minlength=policy.num_sequences).to(rewards.dtype) / num_samples
-        for _ in range(num_repeats)
-    ])
+    frequencies = torch.stack(
+        [
+            torch.bincount(
+                torch.multinomial(probs, num_samples, replacement=True, generator=generator),
+                minlength=policy.num_sequences,
+            ).to(rewards.dtype)
+            / num_samples
+            for _ in range(num_repeats)
+        ]
+    )
     return (frequencies * (rewards - baseline)) @ score_table
 
 
@@ -191,7 +214,12 @@ def monte_carlo_errors(
     """
     generator = torch.Generator().manual_seed(seed)
     exact = policy.exact_gradient(logits, rewards)
-    return torch.stack([
-        (reinforce_estimates(policy, logits, rewards, n, num_repeats, generator, baseline) - exact).norm(dim=1)
-        for n in sample_sizes
-    ])
+    return torch.stack(
+        [
+            (
+                reinforce_estimates(policy, logits, rewards, n, num_repeats, generator, baseline)
+                - exact
+            ).norm(dim=1)
+            for n in sample_sizes
+        ]
+    )

@@ -15,7 +15,13 @@ import seaborn as sns
 
 # One style for every figure of the book.
 STYLE = {"context": "notebook", "style": "whitegrid", "palette": "colorblind"}
-RC = {"figure.figsize": (6.4, 4.0), "figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight", "svg.hashsalt": "grpo"}
+RC = {
+    "figure.figsize": (6.4, 4.0),
+    "figure.dpi": 110,
+    "savefig.dpi": 150,
+    "savefig.bbox": "tight",
+    "svg.hashsalt": "grpo",
+}
 
 
 def set_style() -> None:
@@ -46,7 +52,13 @@ class ChapterReport:
     def __init__(self, chapter: str, output_dir: str, profile: str, seed: int):
         self.chapter = chapter
         self.output_dir = Path(output_dir)
-        self.results = {"chapter": chapter, "profile": profile, "seed": seed, "values": {}, "figures": []}
+        self.results = {
+            "chapter": chapter,
+            "profile": profile,
+            "seed": seed,
+            "values": {},
+            "figures": [],
+        }
         (self.output_dir / "figures").mkdir(parents=True, exist_ok=True)
         set_style()
 

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.book
 
 
 def _git_status() -> str:
-    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,10 @@ def built(tmp_path_factory):
     """(project, seconds per chapter, git status before) after executing and rendering the book."""
     status_before = _git_status()
     project = Project(ROOT, build_dir=tmp_path_factory.mktemp("book") / "_build")
-    timings = {chapter: execute_chapter(project, chapter, "smoke", progress=False) for chapter in project.chapters}
+    timings = {
+        chapter: execute_chapter(project, chapter, "smoke", progress=False)
+        for chapter in project.chapters
+    }
     build_html(project)
     return project, timings, status_before
 
@@ -42,12 +47,16 @@ def test_every_chapter_writes_results_and_figures(built):
         assert results["chapter"] == chapter and results["profile"] == "smoke" and results["values"]
         for figure in results["figures"]:
             for suffix in ("png", "svg"):
-                assert (project.build_dir / "figures" / chapter / f"{figure}.{suffix}").stat().st_size > 1000
+                assert (
+                    project.build_dir / "figures" / chapter / f"{figure}.{suffix}"
+                ).stat().st_size > 1000
 
 
 def test_toc_lists_every_chapter():
     toc = (ROOT / "_toc.yml").read_text()
-    assert [chapter for chapter in Project(ROOT).chapters if f"file: book/{chapter}\n" in toc] == Project(ROOT).chapters
+    assert [
+        chapter for chapter in Project(ROOT).chapters if f"file: book/{chapter}\n" in toc
+    ] == Project(ROOT).chapters
 
 
 def test_execution_leaves_the_repository_untouched(built):
@@ -59,7 +68,10 @@ def test_chapter_1_is_deterministic(built, tmp_path):
     project, _, _ = built
     again = Project(ROOT, build_dir=tmp_path / "_build")
     execute_chapter(again, "01_policy_gradient", "smoke", progress=False)
-    first, second = project.results_path("01_policy_gradient"), again.results_path("01_policy_gradient")
+    first, second = (
+        project.results_path("01_policy_gradient"),
+        again.results_path("01_policy_gradient"),
+    )
     assert first.read_bytes() == second.read_bytes()
 
 
@@ -67,11 +79,14 @@ def test_chapter_1_is_deterministic(built, tmp_path):
 def browser(built):
     """A Chromium driven by selenium, pointed at the built HTML served on 127.0.0.1."""
     if not (CHROMIUM and CHROMEDRIVER):
-        pytest.fail("headless Chromium is missing: `make setup` installs Debian's chromium and chromium-driver")
+        pytest.fail(
+            "headless Chromium is missing: `make setup` installs Debian's chromium and chromium-driver"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     project, _, _ = built
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -81,8 +96,17 @@ def browser(built):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-quic",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -106,7 +130,9 @@ typeset.then(() => Promise.all(Array.from(document.images).map(img => img.decode
 """
 
 
-@pytest.mark.parametrize("page", ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters)])
+@pytest.mark.parametrize(
+    "page", ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters)]
+)
 def test_rendered_page_in_a_real_browser(browser, built, page):
     driver, url = browser
     driver.get(f"{url}/{page}.html")
@@ -122,6 +148,9 @@ def test_rendered_page_in_a_real_browser(browser, built, page):
         assert len(report["images"]) >= len(figures)
     assert all(width > 0 and height > 0 for _, width, height in report["images"]), report["images"]
     # The book has no favicon; the browser's request for one is not an error of the page.
-    severe = [entry["message"] for entry in driver.get_log("browser")
-              if entry["level"] == "SEVERE" and "favicon.ico" not in entry["message"]]
+    severe = [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and "favicon.ico" not in entry["message"]
+    ]
     assert not severe

@@ -3,13 +3,19 @@ runs, a failing chapter is reported with its cell and leaves every published out
 a Sphinx warning fails the HTML build."""
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from grpo_companion.__main__ import main
-from grpo_companion.pipeline import PipelineError, Project, build_html, execute_chapter, parse_value, resolve_parameters
+from grpo_companion.pipeline import (
+    PipelineError,
+    Project,
+    build_html,
+    execute_chapter,
+    parse_value,
+    resolve_parameters,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +64,15 @@ The total is {{glue:text}}`{glue_key}`.
 def make_book(root: Path, glue_key: str = "total") -> Project:
     (root / "book").mkdir(parents=True)
     (root / "_config.yml").write_text((ROOT / "_config.yml").read_text())
-    (root / "_toc.yml").write_text("format: jb-book\nroot: book/intro\nchapters:\n  - file: book/01_first\n  - file: book/02_second\n")
+    (root / "_toc.yml").write_text(
+        "format: jb-book\nroot: book/intro\nchapters:\n  - file: book/01_first\n  - file: book/02_second\n"
+    )
     (root / "book" / "intro.md").write_text("# Fixture book\n")
     (root / "book" / "profiles.toml").write_text("[cpu]\n[smoke.01_first]\nnum_samples = 2\n")
     for name, title in (("01_first", "First"), ("02_second", "Second")):
-        (root / "book" / f"{name}.md").write_text(CHAPTER.format(name=name, title=title, glue_key=glue_key))
+        (root / "book" / f"{name}.md").write_text(
+            CHAPTER.format(name=name, title=title, glue_key=glue_key)
+        )
     (root / "node_modules").mkdir()
     (root / "node_modules" / "mathjax").symlink_to(ROOT / "node_modules" / "mathjax")
     return Project(root)
@@ -74,26 +84,43 @@ def book(tmp_path) -> Project:
 
 
 def published(project: Project) -> dict[str, bytes]:
-    return {str(path.relative_to(project.build_dir)): path.read_bytes()
-            for folder in ("results", "figures", "source") for path in sorted((project.build_dir / folder).rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(project.build_dir)): path.read_bytes()
+        for folder in ("results", "figures", "source")
+        for path in sorted((project.build_dir / folder).rglob("*"))
+        if path.is_file()
+    }
 
 
 def test_profile_values_and_overrides_are_resolved(book):
     assert resolve_parameters(book, "01_first", "smoke") == {"num_samples": 2}
-    assert resolve_parameters(book, "01_first", "smoke", {"rate": 1}) == {"num_samples": 2, "rate": 1}
+    assert resolve_parameters(book, "01_first", "smoke", {"rate": 1}) == {
+        "num_samples": 2,
+        "rate": 1,
+    }
     assert resolve_parameters(book, "02_second", "smoke") == {}
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "01_first", "-p", "num_smaples", "3"],
-         "chapter 01_first: unknown parameter 'num_smaples'; accepted parameters: fail, num_samples, rate, seed"),
-        (["run", "01_first", "-p", "num_samples", "many"],
-         "chapter 01_first: parameter 'num_samples' must be int like its default 10, got str 'many'"),
+        (
+            ["run", "01_first", "-p", "num_smaples", "3"],
+            "chapter 01_first: unknown parameter 'num_smaples'; accepted parameters: fail, num_samples, rate, seed",
+        ),
+        (
+            ["run", "01_first", "-p", "num_samples", "many"],
+            "chapter 01_first: parameter 'num_samples' must be int like its default 10, got str 'many'",
+        ),
         (["run", "01_first", "-p", "fail", "1"], "parameter 'fail' must be bool"),
-        (["run", "01_first", "-p", "output_dir", "x"], "parameter 'output_dir' is set by the pipeline"),
-        (["run", "01_first", "--profile", "fast"], "unknown profile 'fast'; valid profiles: cpu, smoke"),
+        (
+            ["run", "01_first", "-p", "output_dir", "x"],
+            "parameter 'output_dir' is set by the pipeline",
+        ),
+        (
+            ["run", "01_first", "--profile", "fast"],
+            "unknown profile 'fast'; valid profiles: cpu, smoke",
+        ),
         (["run", "03_third"], "unknown chapter '03_third'; valid chapters: 01_first, 02_second"),
     ],
 )
@@ -116,10 +143,30 @@ def test_failing_chapter_names_its_cell_and_keeps_previous_outputs(book, capsys)
     before = published(book)
     assert "figures/01_first/line.png" in before and "source/book/02_second.ipynb" in before
 
-    assert main(["--root", str(book.root), "run", "01_first", "-p", "fail", "True", "-p", "num_samples", "99", "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "--root",
+                str(book.root),
+                "run",
+                "01_first",
+                "-p",
+                "fail",
+                "True",
+                "-p",
+                "num_samples",
+                "99",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     error = capsys.readouterr().err
     failed = book.build_dir / "failed" / "01_first.ipynb"
-    assert "chapter 01_first failed in code cell 3 (`if fail:`) with RuntimeError: deliberately broken" in error
+    assert (
+        "chapter 01_first failed in code cell 3 (`if fail:`) with RuntimeError: deliberately broken"
+        in error
+    )
     assert f"partially executed notebook: {failed}" in error
     assert "deliberately broken" in failed.read_text()
     assert published(book) == before  # the earlier run's outputs, byte for byte

@@ -47,7 +47,9 @@ def test_closed_form_scores_equal_autograd(setup):
     sequences = policy.all_sequences()
     scores = policy.scores(logits, sequences)
     for k in [0, 5, 26]:
-        jacobian = torch.autograd.functional.jacobian(lambda t: policy.log_prob(t, sequences[k : k + 1])[0], logits)
+        jacobian = torch.autograd.functional.jacobian(
+            lambda t: policy.log_prob(t, sequences[k : k + 1])[0], logits
+        )
         torch.testing.assert_close(scores[k], jacobian.flatten(), rtol=0, atol=1e-12)
 
 
@@ -67,24 +69,34 @@ def test_bandit_closed_form_equals_autograd():
     rewards = torch.randn(6, generator=generator, dtype=torch.float64)
     leaf = logits.clone().requires_grad_(True)
     (autograd,) = torch.autograd.grad(torch.softmax(leaf, -1) @ rewards, leaf)
-    torch.testing.assert_close(softmax_policy_gradient(logits, rewards), autograd, rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        softmax_policy_gradient(logits, rewards), autograd, rtol=0, atol=1e-14
+    )
 
 
 @pytest.mark.parametrize("baseline", [0.0, 0.3, 2.0])
 def test_monte_carlo_estimate_is_unbiased(setup, baseline):
     policy, logits, rewards = setup
     num_samples = 400_000
-    (estimate,) = reinforce_estimates(policy, logits, rewards, num_samples, 1, torch.Generator().manual_seed(7), baseline)
+    (estimate,) = reinforce_estimates(
+        policy, logits, rewards, num_samples, 1, torch.Generator().manual_seed(7), baseline
+    )
     exact = policy.exact_gradient(logits, rewards)
-    standard_error = math.sqrt(estimator_variance(policy, logits, rewards, baseline).item() / num_samples)
+    standard_error = math.sqrt(
+        estimator_variance(policy, logits, rewards, baseline).item() / num_samples
+    )
     assert (estimate - exact).norm().item() < 5 * standard_error
 
 
 def test_counting_estimate_equals_per_sample_mean(setup):
     policy, logits, rewards = setup
     draws = policy.sample(logits, 1000, torch.Generator().manual_seed(3))
-    per_sample = reinforce_gradient(policy.scores(logits, policy.all_sequences())[draws], rewards[draws], baseline=0.4)
-    (counted,) = reinforce_estimates(policy, logits, rewards, 1000, 1, torch.Generator().manual_seed(3), baseline=0.4)
+    per_sample = reinforce_gradient(
+        policy.scores(logits, policy.all_sequences())[draws], rewards[draws], baseline=0.4
+    )
+    (counted,) = reinforce_estimates(
+        policy, logits, rewards, 1000, 1, torch.Generator().manual_seed(3), baseline=0.4
+    )
     torch.testing.assert_close(counted, per_sample, rtol=0, atol=1e-12)
 
 
@@ -94,7 +106,9 @@ def test_mean_squared_error_is_v_over_n(setup):
     variance = estimator_variance(policy, logits, rewards, 0.0).item()
     mse = errors.square().mean(dim=1)
     # 400 repeats: the mean of squared errors is within ~15% of V/n (its own relative sd ~ 7%).
-    torch.testing.assert_close(mse, torch.tensor([variance / 50, variance / 5000], dtype=torch.float64), rtol=0.15, atol=0)
+    torch.testing.assert_close(
+        mse, torch.tensor([variance / 50, variance / 5000], dtype=torch.float64), rtol=0.15, atol=0
+    )
 
 
 def test_variance_formula_matches_sample_variance(setup):
@@ -103,7 +117,9 @@ def test_variance_formula_matches_sample_variance(setup):
     scores = policy.scores(logits, policy.all_sequences())[draws]
     for baseline in [0.0, 0.5]:
         sample_variance = ((rewards[draws] - baseline)[:, None] * scores).var(dim=0).sum().item()
-        assert sample_variance == pytest.approx(estimator_variance(policy, logits, rewards, baseline).item(), rel=0.02)
+        assert sample_variance == pytest.approx(
+            estimator_variance(policy, logits, rewards, baseline).item(), rel=0.02
+        )
 
 
 def test_optimal_baseline_is_the_brute_force_minimiser(setup):
@@ -115,19 +131,39 @@ def test_optimal_baseline_is_the_brute_force_minimiser(setup):
     # and it is not simply the mean reward on this policy
     mean_reward = policy.objective(logits, rewards).item()
     assert abs(b_star - mean_reward) > 1e-3
-    assert estimator_variance(policy, logits, rewards, b_star) < estimator_variance(policy, logits, rewards, mean_reward)
+    assert estimator_variance(policy, logits, rewards, b_star) < estimator_variance(
+        policy, logits, rewards, mean_reward
+    )
 
 
 def test_parabola_identity(setup):
     """V(b) - V(b*) = E||s||^2 (b - b*)^2 for every b."""
     policy, logits, rewards = setup
     b_star = optimal_baseline(policy, logits, rewards)
-    mean_squared_norm = policy.probs(logits) @ policy.scores(logits, policy.all_sequences()).square().sum(dim=1)
+    mean_squared_norm = policy.probs(logits) @ policy.scores(
+        logits, policy.all_sequences()
+    ).square().sum(dim=1)
     for b in [-0.5, 0.2, 1.7]:
-        gap = estimator_variance(policy, logits, rewards, b) - estimator_variance(policy, logits, rewards, b_star)
+        gap = estimator_variance(policy, logits, rewards, b) - estimator_variance(
+            policy, logits, rewards, b_star
+        )
         assert gap.item() == pytest.approx((mean_squared_norm * (b - b_star) ** 2).item(), rel=1e-9)
 
 
 def test_bad_policy_shape_is_refused():
     with pytest.raises(ValueError, match="vocab_size >= 2"):
         SequencePolicy(vocab_size=1, length=3)
+
+
+def test_token_log_probs_are_the_softmax_steps_and_sum_to_log_prob(setup):
+    policy, logits, _ = setup
+    sequences = policy.all_sequences()
+    token_log_probs = policy.token_log_probs(logits, sequences)
+    assert token_log_probs.shape == (policy.num_sequences, policy.length)
+    torch.testing.assert_close(
+        token_log_probs.sum(dim=1), policy.log_prob(logits, sequences), rtol=0, atol=1e-14
+    )
+    # Sequence 0 2 1 again, token by token.
+    step = torch.log_softmax(logits, dim=-1)
+    expected = torch.stack([step[0, 3, 0], step[1, 0, 2], step[2, 2, 1]])
+    torch.testing.assert_close(token_log_probs[0 * 9 + 2 * 3 + 1], expected, rtol=0, atol=1e-14)
