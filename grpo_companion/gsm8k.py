@@ -1,0 +1,283 @@
+r"""GSM8K data, answer extraction and the binary reward.
+
+Every source gives a ``datasets.Dataset`` with GSM8K's schema: ``question`` and ``answer``
+strings, the answer being reasoning lines followed by a final line ``#### N``.
+
+Answers follow lm-evaluation-harness (``lm_eval/tasks/gsm8k/gsm8k.yaml``):
+    strict    regex ``#### (\-?[0-9\.\,]+)``, first match (``findall(...)[0]``)
+    flexible  regex ``(-?[$0-9.,]{2,})|(-?[0-9]+)``, last match (``group_select: -1``)
+Both are normalised like lm-eval's ``regexes_to_ignore``: every "," and "$" removed, then one
+trailing "."; the gold answer is what follows the *last* "#### " (lm-eval's ``(?s).*#### ``).
+Two deliberate differences: (1) equality is numeric, so "5", "5.0" and "005" are equal where
+lm-eval's string match says no; (2) ``extract_answer`` returns None when the normalised match
+is not a number ("..", "1.2.3"), which lm-eval would compare as a string and mark wrong anyway.
+Digits are ASCII only, as in lm-eval's ``[0-9]``: "٣" is not a number. Numbers of any length
+are compared exactly, as strings. Model output is untrusted: nothing is evaluated, every
+function of it runs in linear time and never raises on a string.
+"""
+
+import hashlib
+import json
+import operator
+import random
+import re
+import socket
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import datasets
+
+SOURCES = ("hub", "jsonl", "gsm_symbolic", "arithmetic")
+SPLITS = ("train", "test")
+MODES = ("strict", "flexible")
+GSM8K_SIZES = {"train": 7473, "test": 1319}  # openai/gsm8k, config "main"
+TEST_FRACTION = 0.15  # share of generated questions reserved for "test" (GSM8K: 1319/8792)
+
+_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval's strict-match pattern, verbatim
+# lm-eval's flexible pattern matches, in effect, whole runs of [$0-9.,] of length >= 2 or a
+# single digit, with a "-" just before the run included. Searching the *reversed* text for
+# such a run finds the last match in one linear C-level scan, without building a list of all
+# matches. tests/test_gsm8k.py checks this against lm-eval's findall()[-1] with hypothesis.
+# Written as "a run character, then more of them or a lookbehind that it was a digit" (rather
+# than "[$0-9.,]{2,}|[0-9]") so that re skips non-candidates fast: ~5x on megabytes of prose.
+_FLEXIBLE_REVERSED = re.compile(r"[$0-9.,](?:[$0-9.,]+|(?<=[0-9]))")
+_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)")
+_SYMBOLIC_SUFFIX = " Give the result as your final answer. Do not include units."
+
+
+class GSM8KUnavailableError(RuntimeError):
+    """The real GSM8K cannot be loaded (no network, no cache); the message names alternatives."""
+
+
+def _normalise(match: str) -> str | None:
+    """lm-eval's ``regexes_to_ignore`` on an extracted match; None if it is not a number."""
+    s = match.strip().replace(",", "").replace("$", "")
+    s = s.removesuffix(".")  # one trailing period, lm-eval's "\.$"
+    return s if _NUMBER.fullmatch(s) else None
+
+
+def _canonical(number: str) -> str:
+    """Exact canonical form of a ``_NUMBER`` string: "-007.50" -> "-7.5", "-0.0" -> "0"."""
+    sign, digits = ("-", number[1:]) if number.startswith("-") else ("", number)
+    whole, _, frac = digits.partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    body = whole + ("." + frac if frac else "")
+    return body if body == "0" else sign + body
+
+
+def extract_answer(text: str, mode: str = "strict") -> str | None:
+    """The model's final answer in ``text`` (see the module docstring), normalised, or None."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if mode == "strict":
+        match = _STRICT.search(text)  # the first match, as lm-eval's findall()[0]
+        return _normalise(match.group(1)) if match else None
+    reversed_text = text[::-1]
+    match = _FLEXIBLE_REVERSED.search(reversed_text)
+    if match is None:
+        return None
+    dash = "-" if reversed_text[match.end() : match.end() + 1] == "-" else ""
+    return _normalise(dash + match.group()[::-1])
+
+
+def gold_answer(answer_field: str) -> str:
+    """The normalised number after the last "#### " of a GSM8K answer; ValueError if none."""
+    _, sep, tail = answer_field.rpartition("#### ")
+    number = _normalise(tail) if sep else None
+    if number is None:
+        raise ValueError(f"answer does not end in '#### <number>': {answer_field[-80:]!r}")
+    return number
+
+
+def reward(completion: str, gold: str, mode: str = "strict") -> float:
+    """1.0 if the answer extracted from ``completion`` equals the number ``gold``, else 0.0."""
+    gold_number = _normalise(gold)
+    if gold_number is None:  # gold is trusted data: a bad one is a bug, not a wrong answer
+        raise ValueError(f"gold must be a number such as gold_answer() returns, got {gold!r}")
+    predicted = extract_answer(completion, mode)
+    return float(predicted is not None and _canonical(predicted) == _canonical(gold_number))
+
+
+def _derived_seed(seed: int, source: str, split: str) -> int:
+    # A hash, not seed + offset: reasoning-gym seeds item i with Random(seed + i), so nearby
+    # seeds would share items.
+    digest = hashlib.sha256(f"{source}/{split}/{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def _split_of(question: str) -> str:
+    # The split is a function of the question text alone, so "train" and "test" are disjoint
+    # for every seed without generating both.
+    digest = hashlib.sha256(question.encode()).digest()
+    return "test" if int.from_bytes(digest[:8], "big") < TEST_FRACTION * 2**64 else "train"
+
+
+def _take_distinct(candidates, split: str, n: int, source: str) -> datasets.Dataset:
+    """The first n distinct (question, answer) candidates whose question belongs to split."""
+    rows, seen = {"question": [], "answer": []}, set()
+    for question, answer in candidates:
+        if question not in seen and _split_of(question) == split:
+            seen.add(question)
+            rows["question"].append(question)
+            rows["answer"].append(answer)
+            if len(seen) == n:
+                return datasets.Dataset.from_dict(rows)
+    raise ValueError(f"{source}: only {len(seen)} distinct {split} problems; ask for fewer")
+
+
+_PEOPLE = {"Tom": "he", "Ann": "she", "Sam": "he", "Mia": "she", "Ben": "he", "Zoe": "she"}
+_THINGS = ("apples", "pens", "cards", "books", "eggs", "coins", "shells", "toys")
+# Operations on a running total that starts at {a}, and the story that asks for them.
+_TEMPLATES = {
+    "+b-c": "{n} has {a} {x}. {P} buys {b} more and gives {c} away.",
+    "-b+c": "{n} has {a} {x}. {P} gives {b} to a friend and then finds {c} more.",
+    "*b-c": "{n} buys {a} bags with {b} {x} in each bag. {P} gives {c} {x} away.",
+    "+b-c+d": "{n} has {a} {x}. {P} gets {b} more, loses {c}, and then buys {d} more.",
+    "*b/c": "{n} has {a} boxes with {b} {x} in each box. {P} shares them equally among {c} friends.",
+}
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
+
+
+def _arithmetic_problems(rng: random.Random):
+    """Endless short word problems; all numbers and intermediate results lie in 0..99."""
+    while True:
+        ops, story = rng.choice(list(_TEMPLATES.items()))
+        name, thing = rng.choice(list(_PEOPLE)), rng.choice(_THINGS)
+        small = ops[0] == "*"  # products of one-digit factors stay below 100
+        values = {"a": rng.randint(2, 9) if small else rng.randint(2, 20)}
+        total, lines = values["a"], []
+        for op, var in zip(ops[::2], ops[1::2]):
+            y = values[var] = rng.randint(2, 9) if op in "*/" else rng.randint(1, 20)
+            if op == "/" and total % y:
+                break  # the answers are whole numbers: draw again
+            lines.append(f"{total}{op}{y}={_OPS[op](total, y)}")
+            total = _OPS[op](total, y)
+            if not 0 <= total <= 99:
+                break
+        else:
+            pronoun = _PEOPLE[name]
+            ask = "each friend get" if op == "/" else f"{pronoun} have now"
+            question = story.format(n=name, P=pronoun.capitalize(), x=thing, **values)
+            question += f" How many {thing} does {ask}?"
+            yield question, "\n".join(lines) + f"\n#### {total}"
+
+
+def _symbolic_problems(seed: int, cap: int):
+    """reasoning-gym's GSM8K templates as (question, answer ending in '#### N')."""
+    import reasoning_gym  # imported here: only this source needs it
+
+    for item in reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=cap):
+        question = item["question"].removesuffix(_SYMBOLIC_SUFFIX)  # prompting is not data
+        cot = item["metadata"]["answer_cot"]  # ends in "#### N", sometimes "#### 44.0"
+        yield question, cot[: cot.rindex("#### ")] + f"#### {item['answer']}"
+
+
+def _read_jsonl(path: Path) -> datasets.Dataset:
+    """GSM8K's own JSONL format; errors name the file and the 1-based line."""
+    rows = {"question": [], "answer": []}
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}, line {lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if not line.strip():
+                    continue  # blank lines, e.g. a trailing one, are not examples
+                record = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{where}: not a JSON line ({err})") from err
+            for field in ("question", "answer"):
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    message = f"{where}: expected an object with a string {field!r}"
+                    raise ValueError(message)  # noqa: TRY004 - one error type for bad files
+                rows[field].append(record[field])
+            try:
+                gold_answer(record["answer"])
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+    if not rows["question"]:
+        raise ValueError(f"{path}: no examples (empty file)")
+    return datasets.Dataset.from_dict(rows)
+
+
+def _load_hub(split: str, timeout: float) -> datasets.Dataset:
+    """``openai/gsm8k`` via datasets, or one GSM8KUnavailableError naming the offline sources."""
+    from huggingface_hub import constants
+
+    def unavailable(cause: Exception) -> GSM8KUnavailableError:
+        return GSM8KUnavailableError(
+            f"Cannot load 'openai/gsm8k' (config 'main') from the Hugging Face Hub at "
+            f"{constants.ENDPOINT} and found no cached copy ({cause!r}). Offline, use:\n"
+            "  load_gsm8k(split, source='jsonl', path='.../grade_school_math/data')"
+            "  # GSM8K's own {train,test}.jsonl\n"
+            "  load_gsm8k(split, source='gsm_symbolic')  # GSM8K templates from reasoning-gym\n"
+            "  load_gsm8k(split, source='arithmetic')    # the book's small generated problems\n"
+            "With a cached copy, HF_HUB_OFFLINE=1 skips the network retries."
+        )
+
+    # datasets retries a dead network for about 25 s before failing, so first try one TCP
+    # handshake; skipped in offline mode (already fast) and behind a proxy (cannot be probed).
+    cached = (Path(datasets.config.HF_DATASETS_CACHE) / "openai___gsm8k").exists()
+    if not (cached or constants.HF_HUB_OFFLINE or urllib.request.getproxies()):
+        url = urllib.parse.urlsplit(constants.ENDPOINT)
+        try:
+            port = url.port or (443 if url.scheme == "https" else 80)
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+        except (OSError, ValueError) as err:  # ValueError: a malformed port in HF_ENDPOINT
+            raise unavailable(err) from err
+    try:
+        dataset = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    except OSError as err:  # ConnectionError, OfflineModeIsEnabled, "not cached" are OSErrors
+        raise unavailable(err) from err
+    return dataset.select_columns(["question", "answer"])
+
+
+def load_gsm8k(
+    split: str,
+    source: str = "hub",
+    *,
+    path: str | Path | None = None,
+    num_examples: int | None = None,
+    seed: int = 0,
+    hub_timeout: float = 5.0,
+) -> datasets.Dataset:
+    """GSM8K-schema problems: columns ``question`` and ``answer`` (ending in ``#### N``).
+
+    Args:
+        split: "train" or "test".
+        source: "hub" (``openai/gsm8k``, 7473/1319 examples, downloaded or cached), "jsonl"
+            (``path``: a file, or a folder with ``{split}.jsonl``), "gsm_symbolic"
+            (reasoning-gym) or "arithmetic" (this module's generator).
+        num_examples: "hub"/"jsonl": the first n examples (lm-eval's ``--limit``); generated
+            sources: how many distinct problems (default: GSM8K's size for the split).
+        seed: generated sources only. Train and test questions never overlap, for any seed.
+        hub_timeout: seconds to wait for the Hub's TCP handshake before giving up.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if num_examples is not None and (type(num_examples) is not int or num_examples <= 0):
+        raise ValueError(f"num_examples must be a positive int or None, got {num_examples!r}")
+    if (path is None) == (source == "jsonl"):
+        raise ValueError("path is required for source='jsonl' and only allowed with it")
+    if source in ("hub", "jsonl"):
+        if source == "hub":
+            dataset = _load_hub(split, hub_timeout)
+        else:
+            path = Path(path)
+            dataset = _read_jsonl(path / f"{split}.jsonl" if path.is_dir() else path)
+        if num_examples is not None and num_examples > len(dataset):
+            raise ValueError(f"num_examples={num_examples} > {len(dataset)} available")
+        return dataset if num_examples is None else dataset.select(range(num_examples))
+    n = num_examples or GSM8K_SIZES[split]
+    seed = _derived_seed(seed, source, split)
+    cap = 20 * n + 1000  # candidates to try before declaring the problem space exhausted
+    if source == "gsm_symbolic":
+        candidates = _symbolic_problems(seed, cap)
+    else:
+        problems = _arithmetic_problems(random.Random(seed))
+        candidates = (next(problems) for _ in range(cap))
+    return _take_distinct(candidates, split, n, source)
