@@ -72,11 +72,15 @@ class ChapterReport:
         return fig
 
     def record(self, name: str, value, display: bool = False):
-        """Glue `value` for the prose and keep it for results.json; returns it."""
+        """Glue `value` for the prose and keep it for results.json; returns it.
+
+        The plain Python number is glued: myst-nb cannot format a numpy or torch scalar with a
+        format spec like `:.3f`, and the text should show exactly what results.json holds.
+        """
         from myst_nb import glue
 
         self.results["values"][name] = _plain(value)
-        glue(name, value, display=display)
+        glue(name, self.results["values"][name], display=display)
         return value
 
     def write(self) -> Path:
