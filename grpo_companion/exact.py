@@ -32,14 +32,35 @@ target p (1 - p) is 0 and w is nan.
 Building a_c and a_i calls `group_advantages` once on the G + 1 canonical groups, so one
 method costs O(G^2) per group size plus O(G) per pass rate. Only per-group options are
 supported: scale_rewards="batch" couples the groups of a batch and has no per-prompt law.
+Besides `grpo_companion.advantages.METHODS`, two baselines that never look at the group are
+accepted (`GROUP_FREE`): "no_baseline" (A = r, REINFORCE) and "oracle" (A = r - p, the true
+value as baseline); both are unbiased, and both allow G = 1.
+
+Score noise
+-----------
+A real policy's score also has components that do not predict the reward: the tokens of a
+completion that the verifier does not look at. Whatever the policy, E[s | correct] and
+E[s | incorrect] are fixed by grad p (above); what is left is the spread of s within each
+reward class, tr Cov(s | r) = v_r. Given k, the G scores are independent, so
+
+    E[g | k] = g(k) u,    tr Cov(g | k) = (k a_c(k)^2 v_1 + (G - k) a_i(k)^2 v_0) / G^2,
+
+with u = grad p / (p (1 - p)). `score_noise=(v_1, v_0)` (or one number for both) adds the
+second term to the variance, in the units of the Bernoulli-logit model (||u|| = 1). Example: n
+reward-irrelevant fair-coin tokens give v_1 = v_0 = n / 4. Any policy with a binary reward
+reduces to this model: with kappa = ||u||^2, its variance and MSE are kappa times those of
+`estimator_moments(..., score_noise=(v_1 / kappa, v_0 / kappa))`.
 
 Dropping degenerate groups
 --------------------------
 Reinforce-Rej and DAPO's dynamic sampling drop groups with k = 0 or k = G. With
 `filter_degenerate=True` the moments are those of one *kept* group, i.e. conditioned on
 0 < k < G: b_k is renormalised by 1 - p^G - (1 - p)^G, the probability a group is kept (nan at
-p in {0, 1}, where no group is). The per-*drawn*-group mean, with dropped groups counted as
-zero, is (1 - degenerate_rate) times the per-kept-group mean.
+p in {0, 1}, where no group is). With `per_drawn_group=True` the moments are instead those of
+one *drawn* group with a dropped group counted as a zero update: the per-sample view, at equal
+sampling cost. Its mean is (1 - degenerate_rate) times the per-kept-group mean; GRPO gives
+degenerate groups zero advantage already, so filtering leaves its per-drawn-group moments as
+they were.
 
 Sign and pass@G
 ---------------
@@ -73,7 +94,10 @@ import torch
 from scipy.special import roots_jacobi
 from scipy.stats import binom
 
-from grpo_companion.advantages import group_advantages
+from grpo_companion.advantages import METHODS, group_advantages
+
+# Baselines that do not look at the group: REINFORCE, and the true value p as baseline.
+GROUP_FREE = ("no_baseline", "oracle")
 
 
 def binary_group_advantages(group_size, method="grpo", **options):
@@ -87,6 +111,8 @@ def binary_group_advantages(group_size, method="grpo", **options):
     a_incorrect[G] are nan (no such completion in the group).
     """
     group_size = _check_group_size(group_size)
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS + GROUP_FREE}")
     if options.get("scale_rewards") == "batch":
         raise ValueError(
             "scale_rewards='batch' couples the groups of a batch; exact moments support only "
@@ -101,41 +127,84 @@ def binary_group_advantages(group_size, method="grpo", **options):
 
 
 def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerate=False,
-                      **options):
+                      per_drawn_group=False, score_noise=0.0, **options):
     """Exact moments of g = (1/G) sum_i A_i s_i for each pass rate p (see module docstring).
 
     Args:
         pass_rates: (P,) or scalar, values in [0, 1].
-        group_size: G >= 2.
-        method: one of `grpo_companion.advantages.METHODS`.
-        filter_degenerate: condition on a kept group, 0 < k < G (Reinforce-Rej / DAPO).
+        group_size: G >= 2 (G >= 1 for the `GROUP_FREE` baselines).
+        method: one of `grpo_companion.advantages.METHODS` or `GROUP_FREE`.
+        filter_degenerate: drop groups with k = 0 or k = G (Reinforce-Rej / DAPO).
+        per_drawn_group: with filter_degenerate, moments per drawn group (a dropped group is a
+            zero update) instead of per kept group.
+        score_noise: v, or (v_correct, v_incorrect): the trace of the score's covariance within
+            each reward class, in units of ||u||^2 (module docstring). 0 is the plain
+            Bernoulli-logit model.
         options: per-group options of `group_advantages` (eps, unbiased_std, temperature, ...).
 
     Returns: dict of float64 arrays of shape (P,): mean, variance, bias, mse, weight (E[g] over
     p (1 - p), nan at p in {0, 1}) and degenerate_rate = p^G + (1 - p)^G.
     """
     p = _check_pass_rates(pass_rates)[:, None]
-    a_correct, a_incorrect = binary_group_advantages(group_size, method, **options)
-    k = np.arange(group_size + 1)
-    # The undefined advantages (nan) enter with multiplicity k = 0 or G - k = 0.
-    correct = np.where(k > 0, k * a_correct, 0.0)
-    incorrect = np.where(k < group_size, (group_size - k) * a_incorrect, 0.0)
-    estimates = (correct * (1 - p) - incorrect * p) / group_size  # g(k), (P, G + 1)
+    if per_drawn_group and not filter_degenerate:
+        raise ValueError("per_drawn_group=True only makes sense with filter_degenerate=True")
+    estimates, squared_noise = _conditional_moments(p, group_size, method, score_noise, **options)
+    k = np.arange(estimates.shape[1])
     probs = binom.pmf(k, group_size, p)  # (P, G + 1)
     degenerate_rate = probs[:, 0] + probs[:, -1]
-    if filter_degenerate:
+    if per_drawn_group:  # a dropped group is drawn, and updates nothing
+        estimates[:, [0, -1]] = squared_noise[:, [0, -1]] = 0.0
+    elif filter_degenerate:
         probs[:, [0, -1]] = 0.0
-        # Sum the kept terms instead of 1 - degenerate_rate: no cancellation for p near 0 or 1.
+        # Sum the kept terms instead of 1 - degenerate_rate: no cancellation near 0 or 1.
         with np.errstate(invalid="ignore"):
             probs /= probs.sum(axis=1, keepdims=True)
     mean = (probs * estimates).sum(axis=1)
-    variance = (probs * (estimates - mean[:, None]) ** 2).sum(axis=1)
+    variance = (probs * ((estimates - mean[:, None]) ** 2 + squared_noise)).sum(axis=1)
     true_gradient = (p * (1 - p))[:, 0]
     bias = mean - true_gradient
     with np.errstate(invalid="ignore", divide="ignore"):
         weight = mean / true_gradient
     return {"mean": mean, "variance": variance, "bias": bias, "mse": variance + bias**2,
             "weight": weight, "degenerate_rate": degenerate_rate}
+
+
+def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
+    """How E[g] splits over the outcome of the group, for each pass rate p.
+
+    Returns: dict of float64 arrays of shape (P,): "all_incorrect" = E[g 1{k = 0}],
+    "all_correct" = E[g 1{k = G}] and "mixed" = E[g 1{0 < k < G}]; they sum to E[g]. For "sign",
+    all_incorrect is grad pass@G / G and all_correct is grad p^G / G (module docstring).
+    """
+    p = _check_pass_rates(pass_rates)[:, None]
+    estimates, _ = _conditional_moments(p, group_size, method, 0.0, **options)
+    probs = binom.pmf(np.arange(estimates.shape[1]), group_size, p)
+    contributions = probs * estimates
+    return {"all_incorrect": contributions[:, 0], "all_correct": contributions[:, -1],
+            "mixed": contributions[:, 1:-1].sum(axis=1)}
+
+
+def _conditional_moments(p, group_size, method, score_noise, **options):
+    """g(k) and tr Cov(g | k) from score noise, each (P, G + 1), for p of shape (P, 1)."""
+    if method in GROUP_FREE:
+        group_size = _check_group_size(group_size, minimum=1)
+        ones = np.ones((1, group_size + 1))
+        baseline = 0.0 if method == "no_baseline" else p
+        a_correct, a_incorrect = (1 - baseline) * ones, -baseline * ones
+    else:
+        a_correct, a_incorrect = binary_group_advantages(group_size, method, **options)
+    noise = np.broadcast_to(np.asarray(score_noise, dtype=np.float64), (2,))
+    noise_correct, noise_incorrect = noise
+    if noise_correct < 0 or noise_incorrect < 0:
+        raise ValueError(f"score_noise must be >= 0, got {score_noise}")
+    k = np.arange(group_size + 1)
+    # The undefined advantages (nan) enter with multiplicity k = 0 or G - k = 0.
+    correct = np.where(k > 0, k * a_correct, 0.0)
+    incorrect = np.where(k < group_size, (group_size - k) * a_incorrect, 0.0)
+    estimates = (correct * (1 - p) - incorrect * p) / group_size
+    squared_noise = (np.where(k > 0, correct * a_correct, 0.0) * noise_correct
+                     + np.where(k < group_size, incorrect * a_incorrect, 0.0) * noise_incorrect)
+    return estimates, np.broadcast_to(squared_noise / group_size**2, estimates.shape).copy()
 
 
 def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kwargs):
@@ -149,15 +218,35 @@ def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kw
     Returns: dict of floats with the keys of `estimator_moments`. Each is the plain prompt
     average; with filter_degenerate, prompts are not reweighted by their keep rate.
     """
-    pass_rates = _check_pass_rates(pass_rates)
-    weights = np.asarray(weights, dtype=np.float64)
-    if weights.shape != pass_rates.shape or not np.all(weights >= 0) or weights.sum() <= 0:
-        raise ValueError(
-            f"weights must be non-negative, not all zero, with the shape of pass_rates "
-            f"{pass_rates.shape}; got shape {weights.shape}"
-        )
+    pass_rates, weights = _check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     moments = estimator_moments(pass_rates, group_size, method, **kwargs)
-    return {key: float(weights @ value / weights.sum()) for key, value in moments.items()}
+    return {key: float(weights @ value) for key, value in moments.items()}
+
+
+def best_step_error(pass_rates, weights, group_size, method="grpo", **kwargs):
+    """How close c g comes to the true gradient at the best step size c, over many prompts.
+
+    Prompt j (probability weights[j]) has its own logit, so its coordinate of the true gradient
+    is t_j = p_j (1 - p_j), and one group gives g_j with mean m_j and variance v_j. Averaged over
+    prompts, E(c g - t)^2 = c^2 E[m^2 + v] - 2 c E[m t] + E[t^2], least at c* = E[m t] / E[m^2 + v].
+    A learning rate undoes any constant scale, so this compares methods of different scales.
+
+    Args: as `average_over_pass_rates`.
+
+    Returns: dict of floats: "relative_error" = 1 - E[m t]^2 / (E[m^2 + v] E[t^2]), the error
+    left at c* in units of E[t^2] (in [0, 1]); "alignment" = E[m t] / sqrt(E[m^2] E[t^2]), the
+    cosine between E[g] and the true gradient (1 when w(p) is the same for every prompt);
+    "best_step" = c*.
+    """
+    pass_rates, weights = _check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
+    moments = estimator_moments(pass_rates, group_size, method, **kwargs)
+    mean, variance = moments["mean"], moments["variance"]
+    true_gradient = pass_rates * (1 - pass_rates)
+    cross = weights @ (mean * true_gradient)
+    second, target = weights @ (mean**2 + variance), weights @ true_gradient**2
+    return {"relative_error": float(1 - cross**2 / (second * target)),
+            "alignment": float(cross / np.sqrt((weights @ mean**2) * target)),
+            "best_step": float(cross / second)}
 
 
 def beta_quadrature(a, b, num_nodes=128):
@@ -171,7 +260,9 @@ def beta_quadrature(a, b, num_nodes=128):
     """
     if not (a > 0 and b > 0):
         raise ValueError(f"Beta parameters must be > 0, got a={a}, b={b}")
-    nodes, weights = roots_jacobi(num_nodes, b - 1, a - 1)
+    # scipy divides by zero at a + b = 1 in a branch that np.where then discards: harmless.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        nodes, weights = roots_jacobi(num_nodes, b - 1, a - 1)
     return (1 + nodes) / 2, weights / weights.sum()
 
 
@@ -188,10 +279,21 @@ def grad_pass_at_g(pass_rates, group_size):
     return group_size * (1 - p) ** group_size * p
 
 
-def _check_group_size(group_size):
-    if int(group_size) != group_size or group_size < 2:
-        raise ValueError(f"group_size must be an integer >= 2, got {group_size}")
+def _check_group_size(group_size, minimum=2):
+    if int(group_size) != group_size or group_size < minimum:
+        raise ValueError(f"group_size must be an integer >= {minimum}, got {group_size}")
     return int(group_size)
+
+
+def _check_weights(weights, pass_rates):
+    """weights as float64, normalised to sum to 1."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.shape != np.shape(pass_rates) or not np.all(weights >= 0) or weights.sum() <= 0:
+        raise ValueError(
+            f"weights must be non-negative, not all zero, with the shape of pass_rates "
+            f"{np.shape(pass_rates)}; got shape {weights.shape}"
+        )
+    return weights / weights.sum()
 
 
 def _check_pass_rates(pass_rates):

@@ -6,8 +6,10 @@ from scipy.special import betaln
 from grpo_companion.advantages import group_advantages
 from grpo_companion.exact import (
     average_over_pass_rates,
+    best_step_error,
     beta_quadrature,
     binary_group_advantages,
+    degenerate_contributions,
     estimator_moments,
     grad_pass_at_g,
     pass_at_g,
@@ -106,7 +108,8 @@ def test_binary_group_advantages():
     np.testing.assert_array_equal([a_correct[2], a_incorrect[0]], [0.0, 0.0])
 
 
-@pytest.mark.parametrize("a, b", [(0.5, 0.5), (2.0, 5.0), (30.0, 10.0)])
+# a + b = 1 is where scipy's roots_jacobi divides by zero in a discarded branch.
+@pytest.mark.parametrize("a, b", [(0.5, 0.5), (2.0, 5.0), (30.0, 10.0), (0.3, 0.7)])
 @pytest.mark.parametrize("group_size", [1, 8, 64])
 def test_beta_quadrature_moments(a, b, group_size):
     pass_rates, weights = beta_quadrature(a, b)
@@ -159,6 +162,104 @@ def test_sign_and_pass_at_g(group_size):
     )
 
 
+@pytest.mark.parametrize("group_size", [1, 2, 8])
+@pytest.mark.parametrize("score_noise", [0.0, 3.0])
+def test_group_free_baselines_closed_forms(group_size, score_noise):
+    # g = (1/G) sum_i (r_i - b) s_i over i.i.d. completions, s = (r - p, noise).
+    p, G = GRID, group_size
+    plain = estimator_moments(p, G, "no_baseline", score_noise=score_noise)
+    oracle = estimator_moments(p, G, "oracle", score_noise=score_noise)
+    for moments in (plain, oracle):
+        np.testing.assert_allclose(moments["weight"], 1.0, rtol=1e-12)
+    # r s = r (1 - p); (r - p) s = (r - p)^2; the noise adds E[A^2] score_noise.
+    np.testing.assert_allclose(plain["variance"],
+                               ((1 - p) ** 2 * p * (1 - p) + score_noise * p) / G, rtol=1e-10)
+    np.testing.assert_allclose(oracle["variance"],
+                               (p * (1 - p) * (1 - 2 * p) ** 2 + score_noise * p * (1 - p)) / G,
+                               rtol=1e-10, atol=1e-15)
+
+
+def monte_carlo_with_noise(pass_rate, group_size, method, num_groups, seed, score_noise):
+    """(num_groups, 2): g with scores (r - p, eps), eps ~ N(0, v_r) depending on the reward."""
+    rng = np.random.default_rng(seed)
+    rewards = (rng.random((num_groups, group_size)) < pass_rate).astype(np.float64)
+    advantages = group_advantages(torch.from_numpy(rewards), method).numpy()
+    noise = rng.normal(size=rewards.shape) * np.sqrt(np.where(rewards == 1, *score_noise))
+    return np.stack([(advantages * (rewards - pass_rate)).mean(axis=1),
+                     (advantages * noise).mean(axis=1)], axis=1)
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo", "sign"])
+def test_score_noise_matches_monte_carlo(method):
+    pass_rate, group_size, score_noise, n = 0.3, 6, (2.0, 0.5), 100_000
+    estimates = monte_carlo_with_noise(pass_rate, group_size, method, n, 1, score_noise)
+    exact = estimator_moments(pass_rate, group_size, method, score_noise=score_noise)
+    # The trace of the covariance: the noise coordinate has mean zero.
+    squared = ((estimates - [exact["mean"][0], 0.0]) ** 2).sum(axis=1)
+    assert abs(squared.mean() - exact["variance"][0]) < 5 * squared.std() / np.sqrt(n)
+
+
+def test_score_noise_adds_to_variance_only():
+    plain = estimator_moments(GRID, 8, "grpo")
+    noisy = estimator_moments(GRID, 8, "grpo", score_noise=(1.0, 2.0))
+    for key in ("mean", "bias", "weight"):
+        np.testing.assert_array_equal(plain[key], noisy[key])
+    assert np.all(noisy["variance"] > plain["variance"])
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "softmax"])
+def test_filtering_per_drawn_group_is_a_no_op_for_zero_sum_methods(method):
+    # Degenerate groups already get zero advantage: dropping them changes nothing per draw.
+    plain = estimator_moments(GRID, 8, method, score_noise=1.0)
+    drawn = estimator_moments(GRID, 8, method, filter_degenerate=True, per_drawn_group=True,
+                              score_noise=1.0)
+    for key in ("mean", "variance", "mse"):
+        np.testing.assert_allclose(drawn[key], plain[key], rtol=1e-10, atol=1e-15)
+
+
+def test_per_drawn_group_scales_the_kept_mean():
+    kept = estimator_moments(GRID, 4, "sign", filter_degenerate=True)
+    drawn = estimator_moments(GRID, 4, "sign", filter_degenerate=True, per_drawn_group=True)
+    keep = 1 - kept["degenerate_rate"]
+    np.testing.assert_allclose(drawn["mean"], keep * kept["mean"], rtol=1e-12)
+    np.testing.assert_allclose(drawn["variance"] + drawn["mean"] ** 2,
+                               keep * (kept["variance"] + kept["mean"] ** 2), rtol=1e-12)
+
+
+@pytest.mark.parametrize("group_size", [2, 5, 16])
+def test_degenerate_contributions(group_size):
+    p, G = GRID, group_size
+    parts = degenerate_contributions(p, G, "sign")
+    np.testing.assert_allclose(parts["all_incorrect"], grad_pass_at_g(p, G) / G, rtol=1e-12)
+    np.testing.assert_allclose(parts["all_correct"], p**G * (1 - p), rtol=1e-12)
+    total = parts["all_incorrect"] + parts["all_correct"] + parts["mixed"]
+    np.testing.assert_allclose(total, estimator_moments(p, G, "sign")["mean"], rtol=1e-12)
+    # GRPO's degenerate groups carry nothing.
+    grpo = degenerate_contributions(p, G, "grpo")
+    np.testing.assert_array_equal(grpo["all_incorrect"], 0.0)
+    np.testing.assert_array_equal(grpo["all_correct"], 0.0)
+
+
+def test_best_step_error():
+    pass_rates, weights = beta_quadrature(2.0, 3.0, 64)
+    for method in ("rloo", "dr_grpo", "sign"):  # w(p) constant: E[g] points along the gradient
+        alignment = best_step_error(pass_rates, weights, 8, method)["alignment"]
+        assert alignment == pytest.approx(1, abs=1e-12)
+    result = best_step_error(pass_rates, weights, 8, "grpo", score_noise=2.0)
+    assert result["alignment"] < 1 - 1e-4  # std scaling reweights prompts
+    # Direct minimisation over the step size of the prompt-averaged squared error.
+    moments = estimator_moments(pass_rates, 8, "grpo", score_noise=2.0)
+    target = pass_rates * (1 - pass_rates)
+    steps = np.linspace(0, 2 * result["best_step"], 20_001)
+    errors = [weights @ (c**2 * (moments["mean"] ** 2 + moments["variance"])
+                         - 2 * c * moments["mean"] * target + target**2) for c in steps]
+    assert steps[np.argmin(errors)] == pytest.approx(result["best_step"], rel=1e-3)
+    assert min(errors) / (weights @ target**2) == pytest.approx(result["relative_error"], rel=1e-6)
+    # A rescaled method is as good as the original: RLOO = G/(G-1) * Dr. GRPO.
+    assert best_step_error(pass_rates, weights, 8, "rloo")["relative_error"] == pytest.approx(
+        best_step_error(pass_rates, weights, 8, "dr_grpo")["relative_error"], rel=1e-12)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: estimator_moments([0.5, 1.2], 4), r"\[0, 1\]"),
     (lambda: estimator_moments(-0.1, 4), r"\[0, 1\]"),
@@ -174,6 +275,10 @@ def test_sign_and_pass_at_g(group_size):
     (lambda: average_over_pass_rates([0.2, 0.5], [1.0], 4), "shape"),
     (lambda: pass_at_g(1.5, 4), r"\[0, 1\]"),
     (lambda: grad_pass_at_g(0.5, 0), "group_size"),
+    (lambda: estimator_moments(0.5, 0, "oracle"), "group_size"),
+    (lambda: estimator_moments(0.5, 4, score_noise=-1.0), "score_noise"),
+    (lambda: estimator_moments(0.5, 4, per_drawn_group=True), "filter_degenerate"),
+    (lambda: best_step_error([0.2, 0.5], [1.0], 4), "shape"),
 ])
 def test_errors(call, message):
     with pytest.raises(ValueError, match=message):
