@@ -1,0 +1,354 @@
+r"""Rollouts: G completions per prompt, and everything GRPO learns from them.
+
+For each of B prompts we sample G = ``num_generations`` completions of at most
+``max_completion_length`` tokens at ``temperature`` (TRL's names) and record, per rollout,
+
+    completion_ids   (B * G, T)  sampled tokens, padding after the first EOS
+    completion_mask  (B * G, T)  1 on the completion's tokens, its EOS included
+    log_probs        (B * G, T)  log pi(o_t | q, o_<t) under softmax(logits / temperature)
+    lengths, truncated           (B * G,)
+    texts                        B * G decoded completions
+    rewards          (B, G)      reward_fn(text, gold), one group per row
+
+where T <= max_completion_length is the longest completion of the batch. Rollouts are
+prompt-major: rollout i answers prompt i // G.
+
+How the tokens are sampled: transformers ``generate`` with the KV cache, prompts
+left-padded so that every row of a batch ends where generation begins, and every
+logits processor that would reshape the distribution switched off (a checkpoint's
+``generation_config.json``, or transformers' default ``top_k=50``, would otherwise sample
+from something other than softmax(logits / temperature)). On a GPU an already-built vLLM
+engine can sample instead (``vllm_engine=``; optional, not needed anywhere in the book).
+
+How the log-probs are computed: by a second, teacher-forced forward pass over prompt and
+completion, `sequence_log_probs`, the very function the trainer differentiates. Reading
+them off ``generate``'s scores would save that pass, but the KV-cache path rounds
+differently from the training pass (and vLLM's kernels more so), and the PPO ratio
+pi / pi_old would start away from 1 for no reason. One forward pass over (B * G, P + T)
+tokens is cheap next to the T sequential steps of sampling.
+
+With ``top_p < 1`` the sampler renormalises over the nucleus; like TRL and vLLM we still
+report the log-probs of the untruncated tempered softmax, the distribution the policy
+gradient differentiates. With the default ``top_p = 1`` the two coincide.
+"""
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import GenerationConfig
+
+from grpo_companion import gsm8k
+
+# Logits processors of `generate`, each set to its "off" value. Unset (None) fields would
+# be filled from the model's generation_config, so every one is set explicitly. The first
+# set changes greedy decoding too; the second only reshapes the sampling distribution.
+_NEUTRAL_PROCESSING = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
+_NEUTRAL_SAMPLING = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+}
+
+
+@dataclass
+class Rollouts:
+    """A batch of B * G rollouts; see the module docstring for the fields' meaning.
+
+    prompt_ids, prompt_mask: (B, P) left-padded prompts.
+    completion_ids, completion_mask, log_probs: (B * G, T).
+    lengths: (B * G,) int, number of completion tokens, EOS included.
+    truncated: (B * G,) bool, no EOS within max_completion_length.
+    texts: B * G strings, decoded without special tokens.
+    rewards: (B, G) float32.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    log_probs: Tensor
+    lengths: Tensor
+    truncated: Tensor
+    texts: list[str]
+    rewards: Tensor
+    num_generations: int
+    temperature: float
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_index(self) -> Tensor:
+        """(B * G,) the prompt each rollout answers: 0, 0, ..., 1, 1, ..."""
+        return torch.arange(self.num_prompts, device=self.prompt_ids.device).repeat_interleave(
+            self.num_generations
+        )
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B * G, P + T) prompt then completion, the input of `sequence_log_probs`."""
+        return torch.cat([self.prompt_ids[self.prompt_index], self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B * G, P + T) 1 on real prompt and completion tokens."""
+        return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask], dim=1)
+
+
+def sequence_log_probs(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Teacher-forced log-probs of the last T tokens of each row.
+
+    Args:
+        input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
+        completion_mask: (N, T), 1 on the completion tokens whose log-prob is wanted.
+        temperature: the logits are divided by it, as when sampling.
+
+    Returns:
+        log_probs: (N, T) float32, log softmax(logits / temperature) at the given tokens,
+            0 where ``completion_mask`` is 0. Differentiable when grad is enabled.
+            Memory peaks at N * (T + 1) * vocab float32 logits: micro-batch large vocabularies.
+    """
+    completion_length = completion_mask.shape[1]
+    # The positions `generate` gives left-padded rows: real tokens counted from 0. (RoPE sees
+    # only relative positions, so this matters to rounding alone for Llama; not in general.)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=completion_length + 1,  # the lm head only runs where it is needed
+    ).logits
+    # Logits at position t predict token t + 1; the last position predicts nothing here.
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, -completion_length:]
+    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return torch.where(completion_mask.bool(), log_probs, 0.0)
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model,
+    tokenizer,
+    prompts: list[str],
+    golds: list[str],
+    *,
+    num_generations: int,
+    max_completion_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int,
+    batch_size: int = 64,
+    reward_fn: Callable[[str, str], float] = gsm8k.reward,
+    vllm_engine=None,
+) -> Rollouts:
+    """Sample ``num_generations`` completions per prompt and score them.
+
+    Args:
+        prompts: B formatted prompts (see ``models.format_prompt``), special tokens
+            included as text: they are tokenized without adding any.
+        golds: B gold answers, passed to ``reward_fn(completion_text, gold)``.
+        seed: seeds the sampler; the same seed and arguments give the same rollouts on
+            CPU. The global torch RNG is left as it was.
+        batch_size: completions per ``generate`` call (whole groups: at least one prompt).
+        vllm_engine: a ``vllm.LLM`` holding the current policy weights (keeping them in
+            sync is the caller's job); if given, it samples the tokens instead of
+            ``generate``. Log-probs are recomputed with ``model`` either way.
+
+    Returns:
+        Rollouts with B * num_generations rows.
+    """
+    if not prompts or len(prompts) != len(golds):
+        raise ValueError(
+            f"need as many golds as prompts, at least one: got {len(prompts)} prompts, {len(golds)} golds"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
+    if vllm_engine is None:
+        config = _generation_config(
+            model,
+            tokenizer,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            num_return_sequences=num_generations,
+            max_new_tokens=max_completion_length,
+        )
+        with _seeded(seed, model.device):
+            completion_ids = _generate(
+                model, prompt_ids, prompt_mask, config, max(1, batch_size // num_generations)
+            )
+    else:
+        completion_ids = _sample_with_vllm(
+            vllm_engine,
+            prompt_ids,
+            prompt_mask,
+            tokenizer.pad_token_id,
+            n=num_generations,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_completion_length,
+            seed=seed,
+        ).to(model.device)
+    completion_ids, completion_mask, lengths, truncated = _cut_at_eos(
+        completion_ids, _eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    )
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    rewards = [reward_fn(text, golds[i // num_generations]) for i, text in enumerate(texts)]
+    rollouts = Rollouts(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        log_probs=torch.zeros(completion_ids.shape, device=model.device),
+        lengths=lengths,
+        truncated=truncated,
+        texts=texts,
+        rewards=torch.tensor(rewards, device=model.device).view(-1, num_generations),
+        num_generations=num_generations,
+        temperature=temperature,
+    )
+    input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
+    for rows in torch.arange(len(texts), device=model.device).split(batch_size):
+        rollouts.log_probs[rows] = sequence_log_probs(
+            model, input_ids[rows], attention_mask[rows], completion_mask[rows], temperature
+        )
+    return rollouts
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model,
+    tokenizer,
+    prompts: list[str],
+    golds: list[str],
+    *,
+    max_completion_length: int,
+    batch_size: int = 64,
+    reward_fn: Callable[[str, str], float] = gsm8k.reward,
+) -> float:
+    """Mean reward of the greedy (argmax) completion of each prompt: held-out accuracy."""
+    prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
+    config = _generation_config(
+        model,
+        tokenizer,
+        do_sample=False,
+        num_return_sequences=1,
+        max_new_tokens=max_completion_length,
+    )
+    completion_ids = _generate(model, prompt_ids, prompt_mask, config, batch_size)
+    completion_ids, *_ = _cut_at_eos(
+        completion_ids, _eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    )
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return sum(reward_fn(text, gold) for text, gold in zip(texts, golds)) / len(prompts)
+
+
+def _tokenize_prompts(tokenizer, prompts: list[str], device) -> tuple[Tensor, Tensor]:
+    """(B, P) ids and mask, left-padded so that generation starts at the same column."""
+    batch = tokenizer(
+        prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt"
+    )
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+def _generation_config(model, tokenizer, *, do_sample: bool, **settings) -> GenerationConfig:
+    return GenerationConfig(
+        do_sample=do_sample,
+        **settings,
+        **_NEUTRAL_PROCESSING,
+        **(_NEUTRAL_SAMPLING if do_sample else {}),
+        eos_token_id=_eos_token_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _generate(
+    model, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, prompts_per_call: int
+) -> Tensor:
+    """(B * num_return_sequences, T) completion tokens, `generate` called on chunks of prompts."""
+    chunks = [
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
+            :, prompt_ids.shape[1] :
+        ]
+        for ids, mask in zip(
+            prompt_ids.split(prompts_per_call), prompt_mask.split(prompts_per_call)
+        )
+    ]
+    # Each call stops when its own rows are done: pad all to the widest.
+    width = max(chunk.shape[1] for chunk in chunks)
+    return torch.cat(
+        [F.pad(chunk, (0, width - chunk.shape[1]), value=config.pad_token_id) for chunk in chunks]
+    )
+
+
+def _cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: int):
+    """Mask each completion after its first EOS, which it keeps (the policy chose to stop).
+
+    Returns completion_ids with padding after the EOS, completion_mask, lengths and
+    truncated, trimmed to the longest completion.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    truncated = ~is_eos.any(dim=1)
+    width = completion_ids.shape[1]
+    # argmax finds the first True; rows without an EOS use every column.
+    lengths = torch.where(truncated, width, is_eos.int().argmax(dim=1) + 1)
+    completion_mask = torch.arange(width, device=completion_ids.device) < lengths.unsqueeze(1)
+    completion_ids = completion_ids.masked_fill(~completion_mask, pad_token_id)
+    longest = int(lengths.max())
+    return completion_ids[:, :longest], completion_mask[:, :longest].long(), lengths, truncated
+
+
+def _eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a completion: chat models often have several (end of turn, end of text)."""
+    eos = model.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device):
+    """Seed torch's RNG for a block, then restore it: `generate` samples from the global
+    RNG, and a library call should not change the caller's random stream."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def _sample_with_vllm(
+    engine, prompt_ids: Tensor, prompt_mask: Tensor, pad_token_id: int, **sampling
+) -> Tensor:
+    """(B * n, T) completion tokens sampled by a vLLM engine (GPU only, optional).
+
+    vLLM keeps the EOS that stopped a completion in its token ids, as `generate` does.
+    """
+    try:
+        from vllm import SamplingParams
+    except ImportError as error:
+        raise ImportError(
+            "vllm_engine needs the optional `vllm` package (CUDA only): pip install vllm"
+        ) from error
+    requests = [
+        {"prompt_token_ids": ids[mask.bool()].tolist()}
+        for ids, mask in zip(prompt_ids, prompt_mask)
+    ]
+    outputs = engine.generate(requests, SamplingParams(**sampling), use_tqdm=False)
+    completions = [
+        torch.tensor(completion.token_ids) for output in outputs for completion in output.outputs
+    ]
+    return torch.nn.utils.rnn.pad_sequence(
+        completions, batch_first=True, padding_value=pad_token_id
+    )

@@ -1,0 +1,268 @@
+import copy
+
+import pytest
+import torch
+
+from grpo_companion.gsm8k import gold_answer, load_gsm8k
+from grpo_companion.models import TinyLlamaSpec, format_prompt, warm_start
+from grpo_companion.rollouts import (
+    _cut_at_eos,
+    generate_rollouts,
+    greedy_accuracy,
+    sequence_log_probs,
+)
+
+# A random-init Llama built through the library's own path (tokenizer, config, seeding):
+# no training, so a test costs milliseconds per forward pass.
+RANDOM_TINY = TinyLlamaSpec(
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    train_steps=0,
+    num_train_examples=200,
+    num_eval_examples=2,
+    max_completion_length=4,
+)
+NUM_GENERATIONS = 4
+MAX_COMPLETION_LENGTH = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On a busy 2-core machine, syncing two threads costs ~10x the arithmetic of these
+    tiny tensors; the global setting is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def policy(one_thread):
+    model, tokenizer, _ = warm_start(RANDOM_TINY, progress=False)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def problems(policy):
+    _, tokenizer = policy
+    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
+    return [format_prompt(tokenizer, q) for q in data["question"]], [
+        gold_answer(a) for a in data["answer"]
+    ]
+
+
+def _rollouts(policy, problems, **overrides):
+    model, tokenizer = policy
+    prompts, golds = problems
+    settings = {
+        "num_generations": NUM_GENERATIONS,
+        "max_completion_length": MAX_COMPLETION_LENGTH,
+        "seed": 0,
+    }
+    return generate_rollouts(model, tokenizer, prompts, golds, **(settings | overrides))
+
+
+def test_shapes_and_group_structure(policy, problems):
+    rollouts = _rollouts(policy, problems)
+    prompts, _ = problems
+    num_rollouts = len(prompts) * NUM_GENERATIONS
+    width = rollouts.completion_ids.shape[1]
+    assert width <= MAX_COMPLETION_LENGTH
+    for name in ("completion_ids", "completion_mask", "log_probs"):
+        assert getattr(rollouts, name).shape == (num_rollouts, width), name
+    assert rollouts.lengths.shape == rollouts.truncated.shape == (num_rollouts,)
+    assert len(rollouts.texts) == num_rollouts
+    assert rollouts.rewards.shape == (len(prompts), NUM_GENERATIONS)
+    assert rollouts.prompt_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert (
+        rollouts.input_ids.shape
+        == rollouts.attention_mask.shape
+        == (num_rollouts, rollouts.prompt_ids.shape[1] + width)
+    )
+    # Left padding: every prompt ends in the last column, the shorter ones start later.
+    assert rollouts.prompt_mask[:, -1].all()
+    assert not rollouts.prompt_mask[:, 0].all()
+
+
+def test_masks_lengths_and_truncation_agree(policy, problems):
+    _, tokenizer = policy
+    rollouts = _rollouts(policy, problems)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    # The random model both stops and runs out of tokens: both cases are exercised.
+    assert rollouts.truncated.any() and not rollouts.truncated.all()
+    for ids, mask, length, truncated in zip(
+        rollouts.completion_ids, rollouts.completion_mask, rollouts.lengths, rollouts.truncated
+    ):
+        assert mask.tolist() == [1] * length + [0] * (len(mask) - length)
+        assert (ids[length:] == pad).all()
+        if truncated:
+            assert length == MAX_COMPLETION_LENGTH and eos not in ids.tolist()
+        else:
+            assert ids[length - 1] == eos and eos not in ids[: length - 1].tolist()
+    assert (rollouts.log_probs[rollouts.completion_mask == 0] == 0).all()
+    assert (rollouts.log_probs[rollouts.completion_mask == 1] < 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_equal_an_unpadded_teacher_forced_pass(policy, problems, temperature):
+    """Each rollout alone, no padding, plain positions: the same log-probs to 1e-5."""
+    model, _ = policy
+    rollouts = _rollouts(policy, problems, temperature=temperature)
+    for i in range(len(rollouts.texts)):
+        prompt = rollouts.prompt_ids[rollouts.prompt_index[i]][
+            rollouts.prompt_mask[rollouts.prompt_index[i]].bool()
+        ]
+        completion = rollouts.completion_ids[i, : rollouts.lengths[i]]
+        ids = torch.cat([prompt, completion]).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
+        expected = (
+            torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        )
+        torch.testing.assert_close(
+            rollouts.log_probs[i, : rollouts.lengths[i]], expected, rtol=0, atol=1e-5
+        )
+
+
+def test_tokens_are_sampled_from_the_reported_distribution(policy, problems, monkeypatch):
+    """Even when the checkpoint's generation_config asks for top-k and a repetition
+    penalty, generate samples from softmax(logits / temperature), and the recomputed
+    log-probs match the ones generate saw (KV cache) to 1e-5."""
+    model, tokenizer = policy
+    model = copy.deepcopy(model)
+    model.generation_config.top_k = 5
+    model.generation_config.repetition_penalty = 1.3
+    temperature = 0.8
+    seen = []
+    generate = model.generate
+
+    def spy(**kwargs):
+        out = generate(
+            **kwargs, output_scores=True, output_logits=True, return_dict_in_generate=True
+        )
+        seen.append(out)
+        return out.sequences
+
+    monkeypatch.setattr(model, "generate", spy)
+    rollouts = _rollouts((model, tokenizer), problems, temperature=temperature, batch_size=64)
+    (out,) = seen  # one call: every rollout fits in one batch
+    scores = torch.stack(out.scores, dim=1)  # (rollouts, steps, vocab) after the logits processors
+    tempered = torch.stack(out.logits, dim=1) / temperature
+    torch.testing.assert_close(
+        torch.log_softmax(scores, -1), torch.log_softmax(tempered, -1), rtol=0, atol=1e-6
+    )
+    width = rollouts.completion_ids.shape[1]
+    at_tokens = (
+        torch.log_softmax(tempered[:, :width], -1)
+        .gather(-1, rollouts.completion_ids.unsqueeze(-1))
+        .squeeze(-1)
+    )
+    mask = rollouts.completion_mask.bool()
+    torch.testing.assert_close(rollouts.log_probs[mask], at_tokens[mask], rtol=0, atol=1e-5)
+
+
+def test_same_seed_same_rollouts_and_global_rng_untouched(policy, problems):
+    state = torch.random.get_rng_state()
+    first, second = _rollouts(policy, problems, seed=3), _rollouts(policy, problems, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(first.completion_ids, second.completion_ids)
+    assert torch.equal(first.log_probs, second.log_probs)
+    assert first.texts == second.texts
+    assert not torch.equal(first.completion_ids, _rollouts(policy, problems, seed=4).completion_ids)
+
+
+def test_batch_size_splits_generation_without_changing_the_layout(policy, problems):
+    rollouts = _rollouts(
+        policy, problems, batch_size=NUM_GENERATIONS
+    )  # one prompt per generate call
+    assert rollouts.completion_ids.shape[0] == 3 * NUM_GENERATIONS
+    assert rollouts.completion_ids.shape[1] == int(rollouts.lengths.max())
+    assert (rollouts.log_probs[rollouts.completion_mask == 1] < 0).all()
+
+
+def test_rewards_score_each_completion_against_its_own_prompt(policy, problems):
+    prompts, _ = problems
+    calls = []
+
+    def reward_fn(text, gold):
+        calls.append(text)
+        return float(gold)
+
+    rollouts = _rollouts(policy, (prompts, ["0", "1", "2"]), reward_fn=reward_fn)
+    assert calls == rollouts.texts
+    assert rollouts.rewards.tolist() == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+
+
+def test_texts_are_the_decoded_completions_without_special_tokens(policy, problems):
+    _, tokenizer = policy
+    rollouts = _rollouts(policy, problems)
+    for text, ids, length in zip(rollouts.texts, rollouts.completion_ids, rollouts.lengths):
+        assert text == tokenizer.decode(ids[:length], skip_special_tokens=True)
+        assert "<eos>" not in text and "<pad>" not in text
+
+
+def test_sequence_log_probs_is_differentiable(policy, problems):
+    model, _ = policy
+    rollouts = _rollouts(policy, problems)
+    log_probs = sequence_log_probs(
+        model,
+        rollouts.input_ids,
+        rollouts.attention_mask,
+        rollouts.completion_mask,
+        rollouts.temperature,
+    )
+    torch.testing.assert_close(log_probs.detach(), rollouts.log_probs, rtol=0, atol=1e-6)
+    (log_probs.sum()).backward()
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.dim() >= 2
+    )
+    model.zero_grad(set_to_none=True)
+
+
+def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
+    """Batched, left-padded, KV-cached greedy decoding = a plain argmax loop per prompt."""
+    model, tokenizer = policy
+    prompts, _ = problems
+    expected = []
+    for prompt in prompts:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        ids = prompt_ids
+        for _ in range(8):
+            with torch.no_grad():
+                next_id = model(input_ids=ids).logits[0, -1].argmax().view(1, 1)
+            ids = torch.cat([ids, next_id], dim=1)
+            if next_id == tokenizer.eos_token_id:
+                break
+        expected.append(tokenizer.decode(ids[0, prompt_ids.shape[1] :], skip_special_tokens=True))
+    # The "golds" are the expected texts: the reward says whether greedy decoding found them.
+    accuracy = greedy_accuracy(
+        model,
+        tokenizer,
+        prompts,
+        expected,
+        max_completion_length=8,
+        reward_fn=lambda text, gold: float(text == gold),
+    )
+    assert accuracy == 1.0
+
+
+def test_cut_at_eos_with_pad_equal_to_eos_and_several_eos_tokens():
+    ids = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [9, 0, 0, 0], [3, 4, 9, 1]])
+    completion_ids, mask, lengths, truncated = _cut_at_eos(
+        ids, eos_token_ids=[2, 9], pad_token_id=2
+    )
+    assert lengths.tolist() == [2, 4, 1, 3]
+    assert truncated.tolist() == [False, True, False, False]
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]]
+    assert completion_ids.tolist() == [[5, 2, 2, 2], [5, 6, 7, 8], [9, 2, 2, 2], [3, 4, 9, 2]]
+
+
+def test_bad_arguments_are_refused(policy, problems):
+    with pytest.raises(ValueError, match="temperature"):
+        _rollouts(policy, problems, temperature=0.0)
+    prompts, golds = problems
+    for bad in [(prompts, golds[:1]), ([], [])]:
+        with pytest.raises(ValueError, match="golds"):
+            _rollouts(policy, bad)
