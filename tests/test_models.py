@@ -39,15 +39,6 @@ SMALL = TinyLlamaSpec(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On a busy 2-core machine, syncing two threads costs ~10x the arithmetic of these
-    tiny tensors; the global setting is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def problems():

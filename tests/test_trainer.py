@@ -42,14 +42,6 @@ def has_digit(completion: str, gold: str) -> float:
     return float(any(character.isdigit() for character in completion))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On a busy 2-core machine, syncing two threads costs more than these tiny tensors."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def initial(one_thread):
