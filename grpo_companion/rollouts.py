@@ -25,7 +25,10 @@ completion, `sequence_log_probs`, the very function the trainer differentiates. 
 them off ``generate``'s scores would save that pass, but the KV-cache path rounds
 differently from the training pass (and vLLM's kernels more so), and the PPO ratio
 pi / pi_old would start away from 1 for no reason. One forward pass over (B * G, P + T)
-tokens is cheap next to the T sequential steps of sampling.
+tokens is cheap next to the T sequential steps of sampling, but not free (see
+``benchmarks/rollout_throughput.py``): ``compute_log_probs=False`` skips it where pi_old's
+log-probs are not needed, as in an on-policy step (``num_iterations = 1``), whose ratio
+pi / pi_old is 1 by construction.
 
 With ``top_p < 1`` the sampler renormalises over the nucleus; like TRL and vLLM we still
 report the log-probs of the untruncated tempered softmax, the distribution the policy
@@ -61,7 +64,8 @@ class Rollouts:
     """A batch of B * G rollouts; see the module docstring for the fields' meaning.
 
     prompt_ids, prompt_mask: (B, P) left-padded prompts.
-    completion_ids, completion_mask, log_probs: (B * G, T).
+    completion_ids, completion_mask: (B * G, T).
+    log_probs: (B * G, T), or None if `generate_rollouts` was told not to compute them.
     lengths: (B * G,) int, number of completion tokens, EOS included.
     truncated: (B * G,) bool, no EOS within max_completion_length.
     texts: B * G strings, decoded without special tokens.
@@ -72,7 +76,7 @@ class Rollouts:
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
-    log_probs: Tensor
+    log_probs: Tensor | None
     lengths: Tensor
     truncated: Tensor
     texts: list[str]
@@ -153,6 +157,7 @@ def generate_rollouts(
     batch_size: int = 64,
     reward_fn: Callable[[str, str], float] = gsm8k.reward,
     vllm_engine=None,
+    compute_log_probs: bool = True,
 ) -> Rollouts:
     """Sample ``num_generations`` completions per prompt and score them.
 
@@ -166,6 +171,8 @@ def generate_rollouts(
         vllm_engine: a ``vllm.LLM`` holding the current policy weights (keeping them in
             sync is the caller's job); if given, it samples the tokens instead of
             ``generate``. Log-probs are recomputed with ``model`` either way.
+        compute_log_probs: False skips the teacher-forced log-prob pass; ``log_probs`` is
+            then None.
 
     Returns:
         Rollouts with B * num_generations rows.
@@ -213,7 +220,7 @@ def generate_rollouts(
         prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
-        log_probs=torch.zeros(completion_ids.shape, device=model.device),
+        log_probs=None,
         lengths=lengths,
         truncated=truncated,
         texts=texts,
@@ -221,11 +228,13 @@ def generate_rollouts(
         num_generations=num_generations,
         temperature=temperature,
     )
-    input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
-    for rows in torch.arange(len(texts), device=model.device).split(batch_size):
-        rollouts.log_probs[rows] = sequence_log_probs(
-            model, input_ids[rows], attention_mask[rows], completion_mask[rows], temperature
-        )
+    if compute_log_probs:
+        input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
+        rollouts.log_probs = torch.zeros(completion_ids.shape, device=model.device)
+        for rows in torch.arange(len(texts), device=model.device).split(batch_size):
+            rollouts.log_probs[rows] = sequence_log_probs(
+                model, input_ids[rows], attention_mask[rows], completion_mask[rows], temperature
+            )
     return rollouts
 
 

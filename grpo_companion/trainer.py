@@ -218,6 +218,8 @@ def grpo_step(model, tokenizer, reference, optimizer, prompts, golds, config: GR
         num_generations=config.num_generations, max_completion_length=config.max_completion_length,
         temperature=config.temperature, seed=rollout_seed(config.seed, step),
         batch_size=config.rollout_batch_size, reward_fn=reward_fn,
+        # On-policy, pi_old's log-probs are those of the update's own forward pass (below).
+        compute_log_probs=config.num_iterations > 1,
     )
     rewards = rollouts.rewards  # (B, G)
 
@@ -236,7 +238,7 @@ def grpo_step(model, tokenizer, reference, optimizer, prompts, golds, config: GR
     ref_log_probs = None
     if reference is not None:
         with torch.no_grad():
-            ref_log_probs = torch.zeros_like(rollouts.log_probs)
+            ref_log_probs = torch.zeros(completion_mask.shape, device=completion_mask.device)
             for batch in kept.split(config.micro_batch_size):
                 ref_log_probs[batch] = sequence_log_probs(reference, input_ids[batch], attention_mask[batch],
                                                           completion_mask[batch], config.temperature)

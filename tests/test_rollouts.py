@@ -164,6 +164,15 @@ def test_same_seed_same_rollouts_and_global_rng_untouched(policy, problems):
     assert not torch.equal(first.completion_ids, _rollouts(policy, problems, seed=4).completion_ids)
 
 
+def test_skipping_log_probs_changes_nothing_else(policy, problems):
+    full = _rollouts(policy, problems)
+    lean = _rollouts(policy, problems, compute_log_probs=False)
+    assert lean.log_probs is None
+    assert torch.equal(lean.completion_ids, full.completion_ids)
+    assert torch.equal(lean.rewards, full.rewards)
+    assert lean.texts == full.texts
+
+
 def test_batch_size_splits_generation_without_changing_the_layout(policy, problems):
     rollouts = _rollouts(
         policy, problems, batch_size=NUM_GENERATIONS
