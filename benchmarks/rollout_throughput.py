@@ -48,7 +48,7 @@ SMOKE_SPEC = {"train_steps": 30, "warmup_steps": 5, "num_train_examples": 500, "
 PARTS = [
     ("_tokenize_prompts", "tokenize prompts"),
     ("_generate", "model.generate"),
-    ("_cut_at_eos", "cut at EOS"),
+    ("cut_at_eos", "cut at EOS"),
     ("sequence_log_probs", "log-prob pass"),
 ]
 

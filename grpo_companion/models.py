@@ -23,8 +23,10 @@ and arithmetic is learnable by a model this small. Its checkpoint is cached unde
 (architecture, training recipe, seed) and a fingerprint of the generated problems.
 """
 
+import contextlib
 import hashlib
 import importlib.metadata
+import io
 import json
 import math
 import os
@@ -78,22 +80,27 @@ def load_policy(
     name: str,
     *,
     device: str = "cpu",
+    spec: "TinyLlamaSpec | None" = None,
     cache_dir: Path = DEFAULT_CACHE_DIR,
     seed: int = 0,
     progress: bool = True,
 ):
     """(model, tokenizer) for `name`, the model in eval mode on `device`.
 
-    `seed` and `cache_dir` only concern "tiny-llama" (its initialisation and warm start,
-    and where its checkpoint is kept); pretrained weights don't depend on them.
+    `spec` (default ``TinyLlamaSpec(seed=seed)``), `seed` and `cache_dir` only concern
+    "tiny-llama" (its architecture, warm start, and where its checkpoint is kept); pretrained
+    weights don't depend on them. ``progress=False`` hides every progress bar, the warm
+    start's and those transformers draws while converting a GGUF file or downloading.
     """
     if name == "tiny-llama":
         return load_tiny_llama(
-            TinyLlamaSpec(seed=seed), cache_dir=cache_dir, device=device, progress=progress
+            spec or TinyLlamaSpec(seed=seed), cache_dir=cache_dir, device=device, progress=progress
         )
-    if name == "smollm2-135m":
-        return _load_smollm2(device)
-    return _load_from_hub(name, device)
+    # transformers' GGUF conversion bar ignores its logging switches: silence its stream.
+    with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
+        if name == "smollm2-135m":
+            return _load_smollm2(device)
+        return _load_from_hub(name, device)
 
 
 # --- tiny-llama ------------------------------------------------------------------------
@@ -123,9 +130,13 @@ class TinyLlamaSpec:
     """Architecture (transformers ``LlamaConfig`` names), warm-start recipe and seed.
 
     Accuracy climbs steeply once the model starts to carry digits: measured with seed 0,
-    held-out greedy accuracy is 27.5% after 600 steps (the default), 22% after 750 and
-    68.5% after 1000 (each a full run with its own cosine schedule). So `train_steps` sets
-    the GRPO regime; re-measure with `warm_start_report` when changing anything.
+    held-out greedy accuracy was 27.5% after 600 steps (the default), 22% after 750 and
+    68.5% after 1000 (each a full run with its own cosine schedule). A second 600-step run
+    of the same spec on the same machine, with a different torch thread count and load, gave
+    9.5%: floating-point reduction order differs with the number of threads, and on this
+    steep part of the curve that changes the result. So the weights are reproducible for a
+    given machine and thread count only, and `train_steps` sets the GRPO regime; read the
+    accuracy of the checkpoint in use with `warm_start_report`, never assume it.
     """
 
     num_hidden_layers: int = 4
@@ -183,7 +194,7 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
 
     Next-token cross-entropy on the answers only (question -> worked steps and
     ``#### N``), AdamW with linear warm-up and cosine decay, batches drawn with a seeded
-    generator: the same spec gives the same weights.
+    generator: the same spec gives the same weights on the same machine and thread count.
 
     Returns:
         model (eval mode), tokenizer, and a report: ``losses`` (one per step),

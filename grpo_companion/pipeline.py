@@ -6,14 +6,16 @@ Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs.  
    name the chapter does not declare or whose type differs from the default's;
 2. converts the source with jupytext and executes it with papermill into `_build/tmp/<chapter>/`,
    injecting the profile's parameters (`book/profiles.toml`), the user's overrides,
-   `profile` and `output_dir`;
+   `profile` and `output_dir`, and `build_dir` (the build's folder, where the other chapters'
+   results and figures are) when the chapter declares it, as chapter 10 does;
 3. only when every cell succeeded, replaces the chapter's published outputs in one move each:
    `_build/source/book/<chapter>.ipynb`, `_build/figures/<chapter>/`, `_build/results/<chapter>.json`.
-   A failing chapter leaves its partial notebook in `_build/failed/` and every published output
-   as it was.
+   A failing chapter leaves its partial notebook in `_build/failed/` (until it next succeeds)
+   and every published output as it was.
 
-`build_html` renders `_build/source` (a copy of the book with the executed notebooks) into
-`_build/html` with `execute_notebooks: off` and warnings as errors.
+`build_html` renders `_build/source` (a copy of the book with the executed notebooks, plus
+`_build/figures` as `figures/`, so pages can link them) into `_build/html` with
+`execute_notebooks: off` and warnings as errors.
 """
 
 import ast
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
+INJECTED_IF_DECLARED = ("build_dir",)  # injected by the pipeline into the chapters that declare it
 
 
 class PipelineError(Exception):
@@ -124,12 +127,12 @@ def resolve_parameters(
     defaults = chapter_parameters(project.source(chapter))
     parameters = {**profiles[profile].get(chapter, {}), **(overrides or {})}
     for name, value in parameters.items():
-        if name in RESERVED:
+        if name in RESERVED + INJECTED_IF_DECLARED:
             raise PipelineError(
                 f"chapter {chapter}: parameter {name!r} is set by the pipeline, not by hand"
             )
         if name not in defaults:
-            accepted = ", ".join(sorted(set(defaults) - set(RESERVED)))
+            accepted = ", ".join(sorted(set(defaults) - set(RESERVED + INJECTED_IF_DECLARED)))
             raise PipelineError(
                 f"chapter {chapter}: unknown parameter {name!r}; accepted parameters: {accepted}"
             )
@@ -187,6 +190,9 @@ def execute_chapter(
     jupytext.write(jupytext.read(project.source(chapter)), work / "source.ipynb")
     executed = work / f"{chapter}.ipynb"
     parameters = {**parameters, "profile": profile, "output_dir": str(work / "out")}
+    declared = chapter_parameters(project.source(chapter))
+    if "build_dir" in declared:
+        parameters["build_dir"] = str(project.build_dir)
     start = time.perf_counter()
     try:
         papermill.execute_notebook(
@@ -214,6 +220,7 @@ def execute_chapter(
     _replace(work / "out" / "figures", project.build_dir / "figures" / chapter)
     _replace(results, project.results_path(chapter))
     _replace(executed, project.build_dir / "source" / "book" / f"{chapter}.ipynb")
+    (project.build_dir / "failed" / f"{chapter}.ipynb").unlink(missing_ok=True)
     shutil.rmtree(work)
     return seconds
 
@@ -238,6 +245,10 @@ def build_html(project: Project) -> Path:
     for page in (project.root / "book").glob("*.md"):
         if page.stem not in project.chapters:
             shutil.copy2(page, source / "book" / page.name)
+    figures = source / "figures"
+    shutil.rmtree(figures, ignore_errors=True)
+    if (project.build_dir / "figures").exists():
+        shutil.copytree(project.build_dir / "figures", figures)
     static = source / "_mathjax" / "mathjax"
     if not static.exists():
         shutil.copytree(mathjax, static)
@@ -257,7 +268,7 @@ def build_html(project: Project) -> Path:
         "--keep-going",
         "-q",
     ]
-    run = subprocess.run(command, capture_output=True, text=True)
+    run = subprocess.run(command, check=False, capture_output=True, text=True)
     if run.returncode != 0:
         raise PipelineError(
             f"jupyter-book build failed (warnings are errors):\n{run.stdout[-4000:]}{run.stderr[-4000:]}"

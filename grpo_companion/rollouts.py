@@ -185,7 +185,7 @@ def generate_rollouts(
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
     if vllm_engine is None:
-        config = _generation_config(
+        config = sampling_config(
             model,
             tokenizer,
             do_sample=True,
@@ -194,7 +194,7 @@ def generate_rollouts(
             num_return_sequences=num_generations,
             max_new_tokens=max_completion_length,
         )
-        with _seeded(seed, model.device):
+        with seeded(seed, model.device):
             completion_ids = _generate(
                 model, prompt_ids, prompt_mask, config, max(1, batch_size // num_generations)
             )
@@ -210,8 +210,8 @@ def generate_rollouts(
             max_tokens=max_completion_length,
             seed=seed,
         ).to(model.device)
-    completion_ids, completion_mask, lengths, truncated = _cut_at_eos(
-        completion_ids, _eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    completion_ids, completion_mask, lengths, truncated = cut_at_eos(
+        completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id
     )
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     rewards = [reward_fn(text, golds[i // num_generations]) for i, text in enumerate(texts)]
@@ -251,7 +251,7 @@ def greedy_accuracy(
 ) -> float:
     """Mean reward of the greedy (argmax) completion of each prompt: held-out accuracy."""
     prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
-    config = _generation_config(
+    config = sampling_config(
         model,
         tokenizer,
         do_sample=False,
@@ -259,8 +259,8 @@ def greedy_accuracy(
         max_new_tokens=max_completion_length,
     )
     completion_ids = _generate(model, prompt_ids, prompt_mask, config, batch_size)
-    completion_ids, *_ = _cut_at_eos(
-        completion_ids, _eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    completion_ids, *_ = cut_at_eos(
+        completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id
     )
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return sum(reward_fn(text, gold) for text, gold in zip(texts, golds)) / len(prompts)
@@ -274,13 +274,15 @@ def _tokenize_prompts(tokenizer, prompts: list[str], device) -> tuple[Tensor, Te
     return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
 
-def _generation_config(model, tokenizer, *, do_sample: bool, **settings) -> GenerationConfig:
+def sampling_config(model, tokenizer, *, do_sample: bool, **settings) -> GenerationConfig:
+    """`generate`'s settings with every logits processor off unless asked for: samples come
+    from the policy's own distribution (at `temperature`), the one its log-probs describe."""
     return GenerationConfig(
         do_sample=do_sample,
         **settings,
         **_NEUTRAL_PROCESSING,
         **(_NEUTRAL_SAMPLING if do_sample else {}),
-        eos_token_id=_eos_token_ids(model, tokenizer),
+        eos_token_id=stop_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
     )
 
@@ -304,7 +306,7 @@ def _generate(
     )
 
 
-def _cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: int):
+def cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: int):
     """Mask each completion after its first EOS, which it keeps (the policy chose to stop).
 
     Returns completion_ids with padding after the EOS, completion_mask, lengths and
@@ -321,7 +323,7 @@ def _cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: 
     return completion_ids[:, :longest], completion_mask[:, :longest].long(), lengths, truncated
 
 
-def _eos_token_ids(model, tokenizer) -> list[int]:
+def stop_token_ids(model, tokenizer) -> list[int]:
     """Every token that ends a completion: chat models often have several (end of turn, end of text)."""
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
@@ -329,7 +331,7 @@ def _eos_token_ids(model, tokenizer) -> list[int]:
 
 
 @contextmanager
-def _seeded(seed: int, device: torch.device):
+def seeded(seed: int, device: torch.device):
     """Seed torch's RNG for a block, then restore it: `generate` samples from the global
     RNG, and a library call should not change the caller's random stream."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -19,6 +19,10 @@ every prompt at pass rate m), and a target rate in between fixes kappa: `beta_co
 
 Estimators take plain tensors from any rollout batch: rewards (num_prompts, G), advantages
 (num_prompts, G) or flattened, and completion_mask (num_prompts * G, max_completion_length).
+`per_group_gradients` splits a batch's policy gradient into one term per group, so the share
+carried by the mixed groups (`gradient_share`) can be measured on a real model. Across training
+runs, `metric_by_step`, `seed_band` and `fitted_trend` aggregate `trainer.train` histories over
+seeds, treating runs (not steps) as the independent units.
 """
 
 import numpy as np
@@ -28,6 +32,9 @@ from torch import Tensor
 
 from grpo_companion.advantages import _check_rewards
 from grpo_companion.exact import _check_group_size, _check_pass_rates
+from grpo_companion.losses import grpo_loss
+from grpo_companion.rollouts import sequence_log_probs
+from grpo_companion.spectrum import mean_interval
 
 
 def iid_degenerate_rate(pass_rates, group_size):
@@ -217,3 +224,83 @@ def dynamic_sampling(rewards: Tensor, num_groups: int, seed: int, atol: float = 
 def _split(all_correct, all_wrong):
     total = all_correct + all_wrong
     return {"all_correct": all_correct, "all_wrong": all_wrong, "degenerate": total}
+
+
+def per_group_gradients(model, input_ids: Tensor, attention_mask: Tensor,
+                        completion_mask: Tensor, advantages: Tensor,
+                        temperature: float = 1.0) -> Tensor:
+    """Each group's share of the on-policy policy gradient of a batch, (num_prompts, P).
+
+    Row b is -grad of group b's terms of the loss_type "grpo" loss with beta = 0 on the
+    whole batch, (1 / (B G)) sum_{i in b} A_i (1/|o_i|) sum_t log pi(o_it): the rows sum to
+    the batch's ascent direction, and a group of zero advantages has a zero row exactly.
+    P counts the parameters that require grad, flattened in `model.parameters()` order.
+
+    Args: input_ids, attention_mask (B * G, P + T) and completion_mask (B * G, T) as in
+    `rollouts.Rollouts`, prompt-major; advantages (B, G).
+    """
+    num_prompts, group_size = advantages.shape
+    num_rollouts = advantages.numel()
+    if input_ids.shape[0] != num_rollouts or completion_mask.shape[0] != num_rollouts:
+        raise ValueError(f"need B * G = {num_rollouts} rows of input_ids and completion_mask, "
+                         f"got {input_ids.shape[0]} and {completion_mask.shape[0]}")
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    rows = []
+    for group in range(num_prompts):
+        members = slice(group * group_size, (group + 1) * group_size)
+        log_probs = sequence_log_probs(model, input_ids[members], attention_mask[members],
+                                       completion_mask[members], temperature)
+        # On-policy (old = current) the clipped surrogate's gradient is the policy gradient.
+        loss, _ = grpo_loss(log_probs, log_probs.detach(), None, advantages[group],
+                            completion_mask[members])
+        gradients = torch.autograd.grad(-loss / num_prompts, parameters, allow_unused=True)
+        rows.append(torch.cat([torch.zeros(parameter.numel(), dtype=parameter.dtype)
+                               if gradient is None else gradient.flatten()
+                               for parameter, gradient in zip(parameters, gradients)]))
+    return torch.stack(rows)
+
+
+def metric_by_step(histories: list[list[dict]], metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """The steps at which every run measured `metric`, and its values (num_runs, num_steps).
+
+    histories: one `trainer.train` history per run (a list of dicts with "step"); the runs
+    must have measured the metric at the same steps (the same eval_every and max_steps).
+    """
+    steps = [[record["step"] for record in history if record[metric] is not None]
+             for history in histories]
+    if not steps or any(run != steps[0] for run in steps) or not steps[0]:
+        raise ValueError(f"the runs measured {metric!r} at different steps (or never): {steps}")
+    values = [[record[metric] for record in history if record[metric] is not None]
+              for history in histories]
+    return np.array(steps[0]), np.array(values, dtype=np.float64)
+
+
+def seed_band(values, confidence: float = 0.95) -> dict:
+    """Mean over runs and its Student-t interval, per column of values (num_runs, num_steps).
+
+    Returns: dict of float arrays (num_steps,): mean, low, high (`spectrum.mean_interval` on
+    each column: the runs are independent seeds, the steps of one run are not).
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2 or values.shape[0] < 2:
+        raise ValueError(f"need values (num_runs >= 2, num_steps), got shape {values.shape}")
+    columns = [mean_interval(column, confidence) for column in values.T]
+    return {key: np.array([column[key] for column in columns]) for key in ("mean", "low", "high")}
+
+
+def fitted_trend(steps, values, confidence: float = 0.95) -> dict:
+    """Least-squares slope of each run's values against steps, and their mean's t-interval.
+
+    values (num_runs, num_steps). The interval treats runs, not steps, as the independent
+    units: the steps of one run share a policy, so their residuals are correlated and a
+    pooled regression's interval would be too narrow. Returns: slopes (num_runs,) and the
+    mean, low, high of the slope (per step), as floats.
+    """
+    steps, values = np.asarray(steps, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    if values.ndim != 2 or values.shape[1] != steps.size or steps.size < 2:
+        raise ValueError(f"need values (num_runs, num_steps = {steps.size} >= 2), "
+                         f"got shape {values.shape}")
+    centred = steps - steps.mean()
+    slopes = (values - values.mean(axis=1, keepdims=True)) @ centred / (centred @ centred)
+    return {"slopes": slopes, **{key: value for key, value in
+                                 mean_interval(slopes, confidence).items() if key != "n"}}

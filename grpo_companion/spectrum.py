@@ -457,11 +457,12 @@ def _module_backward(call: _Call, attr: str) -> Tensor:
 
 
 def weighted_gram(gram: Tensor, weights: Tensor) -> Tensor:
-    """Gram matrix of the weighted rows diag(w) S from that of S: diag(w) G diag(w), `(R, R)`.
+    """Gram matrix of the weighted rows diag(w) S from that of S: diag(w) G diag(w), `(..., R, R)`
+    for `gram: (..., R, R)`, `weights: (..., R)`.
 
     With w = A it is W W^T; one score Gram serves every advantage method."""
     weights = weights.to(gram.dtype)
-    return weights[:, None] * gram * weights[None, :]
+    return weights[..., :, None] * gram * weights[..., None, :]
 
 
 def gram_singular_values(gram: Tensor) -> Tensor:
@@ -589,3 +590,311 @@ def _correct(rewards: Tensor, mixed: bool = False) -> Tensor:
     if mixed and (correct.all() or not correct.any()):
         raise ValueError("a group with one reward value has no centroid difference")
     return correct
+
+
+# ---------------------------------------------------------------------------------------------
+# Which matrix? The candidates, measured on many groups
+
+
+RANK_MEASURES = ("entropy", "stable", "energy_90", "energy_99")
+GROUP_CANDIDATES = ("scores", "weighted", "level_sums")
+
+
+def rank_measures(singular_values: Tensor) -> dict[str, Tensor]:
+    """{measure: `(...)`} of singular values `(..., k)`: the four rank measures above."""
+    return {
+        "entropy": effective_rank(singular_values),
+        "stable": stable_rank(singular_values),
+        "energy_90": energy_rank(singular_values, 0.9),
+        "energy_99": energy_rank(singular_values, 0.99),
+    }
+
+
+def mixed_gram(gram: Tensor, mixing: Tensor) -> Tensor:
+    """Gram matrix of the rows E S from that of S: E G E^T, `mixing: (..., k, R)`, `gram:
+    (..., R, R)` -> `(..., k, k)`."""
+    mixing = mixing.to(gram.dtype)
+    return mixing @ gram @ mixing.transpose(-1, -2)
+
+
+def reward_levels(rewards: Tensor) -> Tensor:
+    """Indicators of the distinct reward values of each group, `rewards: (..., R)` ->
+    `(..., R, R)` bool: row j marks the completions with the j-th largest distinct reward;
+    rows past the number of distinct values are zero.
+
+    E S sums the score rows within each reward level. With binary rewards it is the class-sum
+    matrix C (2 rows, 1 for a degenerate group); with continuous ones up to R rows. Any
+    advantage that is a function of the reward puts the group gradient in its row space. The
+    zero rows add zero singular values, which no rank measure counts.
+    """
+    ordered = rewards.sort(dim=-1, descending=True).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    # A repeated value becomes -inf, which sorts last and equals no reward: a zero row.
+    levels = ordered.masked_fill(~first, -torch.inf).sort(dim=-1, descending=True).values
+    return levels[..., :, None] == rewards[..., None, :]
+
+
+def group_candidate_grams(gram: Tensor, rewards: Tensor, advantages: Tensor) -> dict[str, Tensor]:
+    """The `(..., R, R)` Gram matrices of the three per-group candidates, from the Gram matrix of
+    one group's score rows `gram: (..., R, R)`, `rewards, advantages: (..., R)`:
+
+        scores      S          one score row per completion
+        weighted    diag(A) S  one GRPO gradient row per completion: the rows whose sum is g
+        level_sums  E S        the score rows summed within each reward level
+                               (`reward_levels`; the class sums for binary rewards)
+    """
+    return {
+        "scores": gram,
+        "weighted": weighted_gram(gram, advantages),
+        "level_sums": mixed_gram(gram, reward_levels(rewards)),
+    }
+
+
+def diagonal_blocks(gram: Tensor, block_size: int) -> Tensor:
+    """`(N, N)` -> `(N / block_size, block_size, block_size)`: the Gram matrix of each prompt's
+    rollouts (prompt-major, `block_size` per prompt)."""
+    num_blocks = gram.shape[0] // block_size
+    if num_blocks * block_size != gram.shape[0]:
+        raise ValueError(f"{gram.shape[0]} rollouts are not blocks of {block_size}")
+    blocks = gram.view(num_blocks, block_size, num_blocks, block_size)
+    return blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+
+def disjoint_groups(num_samples: int, group_size: int) -> Tensor:
+    """`(num_samples // group_size, group_size)` indices: consecutive disjoint groups.
+
+    M i.i.d. completions of one prompt split into M // R groups give M // R independent
+    groups of R, so one batch of M samples per prompt serves every R dividing M."""
+    if not 2 <= group_size <= num_samples:
+        raise ValueError(f"need 2 <= group_size <= {num_samples}, got {group_size}")
+    return torch.arange(num_samples - num_samples % group_size).view(-1, group_size)
+
+
+def group_rank_frame(
+    grams: Tensor, rewards: Tensor, group_sizes: list[int], method: str = "grpo"
+):
+    """Rank measures of every candidate of every group, a pandas DataFrame with one row per
+    (group_size, prompt, group, candidate) and columns `mixed` (rewards not all equal) and
+    `RANK_MEASURES`.
+
+    `grams: (B, M, M)` Gram matrices of the (loss-normalised) score rows of M samples of each of
+    B prompts, `rewards: (B, M)`. For each R in `group_sizes` the samples of a prompt are split
+    into M // R disjoint groups (`disjoint_groups`) and `advantages.group_advantages(method)`
+    computed per group.
+    """
+    import pandas as pd
+
+    from grpo_companion.advantages import group_advantages
+
+    num_prompts, num_samples = rewards.shape
+    frames = []
+    for group_size in group_sizes:
+        index = disjoint_groups(num_samples, group_size)  # (K, R)
+        group_rewards = rewards[:, index]  # (B, K, R)
+        group_grams = grams[:, index[:, :, None], index[:, None, :]]  # (B, K, R, R)
+        advantages = group_advantages(group_rewards.flatten(0, 1), method).view_as(group_rewards)
+        mixed = (group_rewards != group_rewards[..., :1]).any(dim=-1)
+        candidates = group_candidate_grams(group_grams, group_rewards, advantages)
+        for candidate, gram in candidates.items():
+            measures = rank_measures(gram_singular_values(gram))
+            prompt, group = torch.meshgrid(
+                torch.arange(num_prompts), torch.arange(index.shape[0]), indexing="ij"
+            )
+            frames.append(pd.DataFrame({
+                "group_size": group_size, "prompt": prompt.flatten().numpy(),
+                "group": group.flatten().numpy(), "candidate": candidate,
+                "mixed": mixed.flatten().numpy(),
+                **{name: value.flatten().double().numpy() for name, value in measures.items()},
+            }))
+    return pd.concat(frames, ignore_index=True)
+
+
+def group_gradient_gram(gram: Tensor, advantages: Tensor, groups: Tensor) -> Tensor:
+    """Gram matrix of the group gradients g_b = sum_{i in group b} A_i s_i, `(K, K)`, from that of
+    all rollouts' score rows `gram: (N, N)`, `advantages: (N,)` and `groups: (K, R)` indices.
+
+    The fifth candidate: the matrix whose rows are the gradients of many groups (of a batch,
+    or of successive steps). Its rank is at most K, the number of groups, and not 2."""
+    mixing = torch.zeros(groups.shape[0], gram.shape[0], dtype=gram.dtype, device=gram.device)
+    mixing.scatter_(1, groups, advantages[groups].to(gram.dtype))
+    return mixed_gram(gram, mixing)
+
+
+def mean_interval(values, confidence: float = 0.95) -> dict:
+    """{"n", "mean", "low", "high"}: the mean of `values` and its Student-t interval; low and
+    high are None for fewer than two values (no interval from one number)."""
+    import numpy as np
+    from scipy import stats
+
+    values = np.asarray(values, dtype=float)
+    n, mean = len(values), float(values.mean()) if len(values) else None
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None}
+    half = stats.t.ppf((1 + confidence) / 2, n - 1) * values.std(ddof=1) / np.sqrt(n)
+    return {"n": n, "mean": mean, "low": float(mean - half), "high": float(mean + half)}
+
+
+def summarise_ranks(frame, by: list[str], measures=RANK_MEASURES, confidence: float = 0.95):
+    """Mean and t-interval of each measure over the mixed groups, per `by` (+ measure): a
+    DataFrame with columns `by`, measure, n, mean, low, high. Degenerate groups (all rewards
+    equal) have no gradient at all and are left out; `n` says how many groups are in."""
+    import pandas as pd
+
+    rows = []
+    for key, part in frame[frame["mixed"]].groupby(by, sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        for measure in measures:
+            rows.append({**dict(zip(by, key)), "measure": measure,
+                         **mean_interval(part[measure], confidence)})
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards and losses for the language models
+
+
+def graded_reward(completion: str, gold: str) -> float:
+    """A continuous reward in [0, 1]: 1 / (1 + |x - gold| / max(1, |gold|)) for the last number
+    x of the completion (`gsm8k.extract_answer(..., "flexible")`), 0 if it has none. Exact
+    answers get 1, and being close is worth more than being far."""
+    from grpo_companion.gsm8k import extract_answer
+
+    answer = extract_answer(completion, "flexible")
+    if answer is None:
+        return 0.0
+    target = float(gold)
+    return 1 / (1 + abs(float(answer) - target) / max(1.0, abs(target)))
+
+
+def group_loss(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+) -> Tensor:
+    """One group's on-policy GRPO loss (loss_type "grpo", beta 0) as far as its gradient goes:
+    -(1/R) sum_i (A_i / L_i) log pi(y_i | x), L_i the completion's length. At ratio 1 the
+    clipped surrogate has exactly this gradient. Inputs as in `completion_log_probs`."""
+    log_probs = completion_log_probs(model, input_ids, attention_mask, completion_mask)
+    lengths = completion_mask.sum(dim=1).clamp(min=1)
+    return -(advantages.to(log_probs.dtype) / lengths * log_probs).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict, from the numbers
+
+
+def classify_ranks(means: dict[int, float], target: float = 2.0, tolerance: float = 0.5) -> str:
+    """What a candidate's mean effective rank does over R, `means: {R: mean}`:
+
+        "about 2"       every mean within `tolerance` of `target`: the paper's claim
+        "about 1"       every mean within `tolerance` of 1
+        "at most 2"     every mean at most `target`, but not all near it (a bounded rank whose
+                        two singular values differ)
+        "grows with R"  the mean at the largest R exceeds that at the smallest by > tolerance
+        "other"         none of these
+        "one R only"    fewer than two group sizes measured: "regardless of R" is untested
+    """
+    if len(means) < 2:
+        return "one R only"
+    values = [means[size] for size in sorted(means)]
+    if all(abs(value - target) <= tolerance for value in values):
+        return "about 2"
+    if all(abs(value - 1) <= tolerance for value in values):
+        return "about 1"
+    if max(values) <= target:
+        return "at most 2"
+    if values[-1] - values[0] > tolerance:
+        return "grows with R"
+    return "other"
+
+
+def verdict(summary, measure: str = "entropy", tolerance: float = 0.5) -> tuple[list[dict], str]:
+    """(one row per setting with its class, a paragraph) from a `summarise_ranks` table that
+    has columns model, reward, stage, candidate, group_size, measure, mean.
+
+    A setting is (model, reward, stage, candidate); its class is `classify_ranks` of its mean
+    `measure` over the group sizes measured. The paragraph lists where "effective rank about 2
+    regardless of R" holds and where it does not, with the measured range."""
+    table = summary[summary["measure"] == measure]
+    rows = []
+    for (model, reward, stage, candidate), part in table.groupby(
+        ["model", "reward", "stage", "candidate"], sort=False
+    ):
+        means = dict(zip(part["group_size"].astype(int), part["mean"].astype(float)))
+        rows.append({
+            "model": model, "reward": reward, "stage": stage, "candidate": candidate,
+            "class": classify_ranks(means, tolerance=tolerance),
+            "group_sizes": sorted(means), "low": min(means.values()), "high": max(means.values()),
+        })
+
+    def settings(rows):  # "candidate: model, stage, reward (low to high); ..."
+        by_candidate = {}
+        for row in rows:
+            by_candidate.setdefault(row["candidate"], []).append(
+                f"{row['model']}, {row['stage']}, {row['reward']} ({row['low']:.2f} to "
+                f"{row['high']:.2f})")
+        return "; ".join(f"{name} on {', '.join(items)}" for name, items in by_candidate.items())
+
+    holds = [row for row in rows if row["class"] == "about 2"]
+    fails = {}
+    for row in rows:
+        if row["class"] != "about 2":
+            fails.setdefault(row["class"], []).append(row)
+    sizes = sorted({size for row in rows for size in row["group_sizes"]})
+    text = (f"Measured by the mean {measure} effective rank over groups at R = "
+            f"{', '.join(map(str, sizes))}, and called \"about 2\" when every mean lies within "
+            f"{tolerance} of 2, the claim holds for "
+            + (settings(holds) if holds else "no matrix measured here") + ". ")
+    for name, items in fails.items():
+        text += f"It does not hold ({name}) for {settings(items)}. "
+    return rows, text.strip()
+
+
+def rollout_gram(model: nn.Module, rollouts, length_normalised: bool = True) -> Tensor:
+    """`(N, N)` float64 Gram matrix of the score rows of a `rollouts.Rollouts` batch, all
+    parameters, by `score_grams` in one pass; rows divided by the completion's length L_i when
+    `length_normalised` (loss_type "grpo" weighs rollout i's log-prob by 1 / L_i, so these are
+    the rows whose advantage-weighted sum is the gradient). Rollouts are prompt-major:
+    `diagonal_blocks(gram, rollouts.num_generations)` are the per-prompt Grams."""
+    grams = score_grams(model, rollouts.input_ids, rollouts.attention_mask,
+                        rollouts.completion_mask, temperature=rollouts.temperature)
+    gram = sum(grams.values())
+    if not length_normalised:
+        return gram
+    return weighted_gram(gram, 1 / rollouts.completion_mask.sum(dim=1).clamp(min=1))
+
+
+def representative_matrices(model: nn.Module) -> list[str]:
+    """Three weight matrices of a Llama-like model: the first layer's query projection, the
+    last layer's MLP down projection and the output head (those that exist)."""
+    names = [name for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2]
+    picks = [[name for name in names if "q_proj" in name][:1],
+             [name for name in names if "down_proj" in name][-1:],
+             [name for name in names if name.startswith("lm_head")][:1]]
+    return [name for pick in picks for name in pick]
+
+
+def group_gradient_ranks(gram: Tensor, rewards: Tensor, group_sizes: list[int],
+                         method: str = "grpo") -> list[dict]:
+    """Rank measures of the fifth candidate, the `(K, P)` matrix of the gradients of all K
+    groups of a batch, for each R: `gram: (N, N)` over all rollouts (prompt-major, M per
+    prompt), `rewards: (B, M)`. Each prompt's samples are split as in `group_rank_frame`;
+    `num_groups` counts the groups with a nonzero gradient (mixed rewards)."""
+    from grpo_companion.advantages import group_advantages
+
+    num_prompts, num_samples = rewards.shape
+    rows = []
+    for group_size in group_sizes:
+        local = disjoint_groups(num_samples, group_size)  # (K, R) within a prompt
+        groups = (torch.arange(num_prompts)[:, None, None] * num_samples + local).flatten(0, 1)
+        group_rewards = rewards.flatten()[groups]
+        advantages = torch.zeros(rewards.numel(), dtype=torch.float64)
+        advantages[groups] = group_advantages(group_rewards.double(), method)
+        sigma = gram_singular_values(group_gradient_gram(gram, advantages, groups))
+        mixed = (group_rewards != group_rewards[:, :1]).any(dim=1)
+        measures = {name: value.item() for name, value in rank_measures(sigma).items()}
+        rows.append({"group_size": group_size, "num_groups": int(mixed.sum()), **measures})
+    return rows

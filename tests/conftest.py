@@ -1,6 +1,22 @@
 import pytest
 import torch
 
+from grpo_companion.models import TinyLlamaSpec, warm_start
+
+# A random-init Llama built through models.py (tokenizer, config, seeding) without training:
+# a forward pass costs milliseconds, and its completions are random tokens, so a reward on their
+# surface is mixed within groups.
+RANDOM_TINY = TinyLlamaSpec(
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    train_steps=0,
+    num_train_examples=200,
+    num_eval_examples=2,
+    max_completion_length=4,
+)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -10,3 +26,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def random_tiny(one_thread):
+    """(model, tokenizer) of `RANDOM_TINY`; tests that train it must copy it first."""
+    model, tokenizer, _ = warm_start(RANDOM_TINY, progress=False)
+    return model, tokenizer

@@ -171,6 +171,9 @@ def test_failing_chapter_names_its_cell_and_keeps_previous_outputs(book, capsys)
     assert "deliberately broken" in failed.read_text()
     assert published(book) == before  # the earlier run's outputs, byte for byte
 
+    execute_chapter(book, "01_first", progress=False)
+    assert not failed.exists()  # a failed notebook in _build/failed/ is always the latest run
+
 
 def test_a_sphinx_warning_fails_the_build(tmp_path):
     project = make_book(tmp_path, glue_key="no_such_key")
@@ -185,3 +188,56 @@ def test_html_needs_every_chapter_executed(book):
     execute_chapter(book, "01_first", "smoke", progress=False)
     with pytest.raises(PipelineError, match="not executed yet: 02_second"):
         build_html(book)
+
+
+LEDGER = """\
+---
+jupytext:
+  text_representation: {extension: .md, format_name: myst}
+kernelspec: {display_name: Python 3, language: python, name: python3}
+---
+
+# Ledger
+
+```{code-cell} ipython3
+:tags: [parameters]
+
+profile = "cpu"
+output_dir = "scratch"
+seed = 0
+build_dir = "_build"
+```
+
+```{code-cell} ipython3
+import json
+from pathlib import Path
+
+from grpo_companion.report import ChapterReport
+
+report = ChapterReport("03_ledger", output_dir, profile, seed)
+first = json.loads((Path(build_dir) / "results" / "01_first.json").read_text())
+report.record("first_total", first["values"]["total"])
+report.record("build_dir", build_dir)
+report.write();
+```
+
+The first chapter's total is {glue:text}`first_total`, its figure [a line](../figures/01_first/line.png).
+"""
+
+
+def test_a_chapter_that_declares_build_dir_reads_the_build_and_links_its_figures(book, capsys):
+    (book.root / "book" / "03_ledger.md").write_text(LEDGER)
+    toc = book.root / "_toc.yml"
+    toc.write_text(toc.read_text() + "  - file: book/03_ledger\n")
+    argv = ["--root", str(book.root), "run", "03_ledger", "-p", "build_dir", "elsewhere"]
+    assert main(argv) == 1
+    assert "parameter 'build_dir' is set by the pipeline" in capsys.readouterr().err
+    assert "build_dir" not in resolve_parameters(book, "03_ledger", "smoke")
+
+    for chapter in book.chapters:
+        execute_chapter(book, chapter, "smoke", progress=False)
+    values = json.loads(book.results_path("03_ledger").read_text())["values"]
+    assert values == {"first_total": 1.0, "build_dir": str(book.build_dir)}  # smoke: 2 x 0.5
+    html = build_html(book)
+    assert (book.build_dir / "source" / "figures" / "01_first" / "line.png").exists()
+    assert len(list((html / "_downloads").rglob("line.png"))) == 1

@@ -4,35 +4,21 @@ import pytest
 import torch
 
 from grpo_companion.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.models import TinyLlamaSpec, format_prompt, warm_start
+from grpo_companion.models import format_prompt
 from grpo_companion.rollouts import (
-    _cut_at_eos,
+    cut_at_eos,
     generate_rollouts,
     greedy_accuracy,
     sequence_log_probs,
 )
 
-# A random-init Llama built through the library's own path (tokenizer, config, seeding):
-# no training, so a test costs milliseconds per forward pass.
-RANDOM_TINY = TinyLlamaSpec(
-    num_hidden_layers=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=2,
-    train_steps=0,
-    num_train_examples=200,
-    num_eval_examples=2,
-    max_completion_length=4,
-)
 NUM_GENERATIONS = 4
 MAX_COMPLETION_LENGTH = 24
 
 
-
 @pytest.fixture(scope="module")
-def policy(one_thread):
-    model, tokenizer, _ = warm_start(RANDOM_TINY, progress=False)
-    return model, tokenizer
+def policy(random_tiny):
+    return random_tiny
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +236,7 @@ def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
 
 def test_cut_at_eos_with_pad_equal_to_eos_and_several_eos_tokens():
     ids = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [9, 0, 0, 0], [3, 4, 9, 1]])
-    completion_ids, mask, lengths, truncated = _cut_at_eos(
+    completion_ids, mask, lengths, truncated = cut_at_eos(
         ids, eos_token_ids=[2, 9], pad_token_id=2
     )
     assert lengths.tolist() == [2, 4, 1, 3]

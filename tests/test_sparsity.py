@@ -5,23 +5,31 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import stats
 from scipy.special import betaln
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_companion.advantages import group_advantages
 from grpo_companion.exact import average_over_pass_rates, beta_quadrature, estimator_moments
+from grpo_companion.losses import grpo_loss
+from grpo_companion.rollouts import sequence_log_probs
 from grpo_companion.sparsity import (
     beta_concentration_for,
     beta_degenerate_rate,
     degenerate_fractions,
     dynamic_sampling,
     empirical_pass_rates,
+    fitted_trend,
     gradient_share,
     group_gradients,
     iid_degenerate_rate,
     iid_pass_rates_for,
     jensen_gap,
     kept_groups,
+    metric_by_step,
     mixture_degenerate_rate,
+    per_group_gradients,
+    seed_band,
     zero_advantage_fractions,
     zero_std_groups,
 )
@@ -193,6 +201,84 @@ def test_dynamic_sampling():
     assert set(dynamic_sampling(rewards, 1000, seed=0).tolist()) == mixed  # too few: keep all
 
 
+def tiny_llama(seed=0, vocab_size=20):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, pad_token_id=0)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def test_per_group_gradients_sum_to_the_batch_gradient():
+    model = tiny_llama()
+    prompt_length, completion_length = 3, 6
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(1, 20, (REWARDS.numel(), prompt_length + completion_length),
+                              generator=generator)
+    mask = completion_mask(max_length=completion_length)
+    attention_mask = torch.cat([torch.ones(REWARDS.numel(), prompt_length, dtype=torch.long),
+                                mask], dim=1)
+    parameters = list(model.parameters())
+    rewards = REWARDS.clone()
+    rewards[3] = torch.tensor([0.0, 1.0, 1.0, 0.0])  # binary, for Sign: groups 2, 3 mixed
+    degenerate = zero_std_groups(rewards)
+    for method in ("grpo", "sign"):
+        advantages = group_advantages(rewards, method)
+        rows = per_group_gradients(model, input_ids, attention_mask, mask, advantages)
+        assert rows.shape == (4, sum(parameter.numel() for parameter in parameters))
+        log_probs = sequence_log_probs(model, input_ids, attention_mask, mask)
+        loss, _ = grpo_loss(log_probs, log_probs.detach(), None, advantages.flatten(), mask)
+        batch = torch.cat([g.flatten() for g in torch.autograd.grad(-loss, parameters)])
+        torch.testing.assert_close(rows.sum(dim=0), batch, rtol=1e-10, atol=1e-12)
+        if method == "grpo":  # zero advantages: exactly no gradient
+            assert rows[degenerate].abs().max().item() < 1e-12
+            assert gradient_share(rows, ~degenerate) == pytest.approx(1.0, abs=1e-10)
+        else:  # A = +1 on the all-correct group, -1 on the all-wrong one: both move
+            assert (rows[degenerate].norm(dim=1) > 1e-6).all()
+            assert gradient_share(rows, ~degenerate) != pytest.approx(1.0, abs=1e-3)
+
+
+HISTORIES = [
+    [{"step": 0, "all_correct": None, "eval_accuracy": 0.1},
+     {"step": 1, "all_correct": 0.0, "eval_accuracy": None},
+     {"step": 2, "all_correct": 0.5, "eval_accuracy": 0.3}],
+    [{"step": 0, "all_correct": None, "eval_accuracy": 0.2},
+     {"step": 1, "all_correct": 0.25, "eval_accuracy": None},
+     {"step": 2, "all_correct": 0.25, "eval_accuracy": 0.5}],
+]
+
+
+def test_metric_by_step():
+    steps, values = metric_by_step(HISTORIES, "all_correct")
+    assert steps.tolist() == [1, 2] and values.tolist() == [[0.0, 0.5], [0.25, 0.25]]
+    steps, values = metric_by_step(HISTORIES, "eval_accuracy")
+    assert steps.tolist() == [0, 2] and values.tolist() == [[0.1, 0.3], [0.2, 0.5]]
+    uneven = [HISTORIES[0], HISTORIES[1][:2]]
+    with pytest.raises(ValueError, match="different steps"):
+        metric_by_step(uneven, "eval_accuracy")
+
+
+def test_seed_band():
+    values = np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]])
+    band = seed_band(values, confidence=0.9)
+    half = stats.t.ppf(0.95, 2) * 2.0 / math.sqrt(3)  # column 0: mean 2, sample std 2
+    np.testing.assert_allclose(band["mean"], [2.0, 1.0])
+    np.testing.assert_allclose(band["low"], [2 - half, 1.0])
+    np.testing.assert_allclose(band["high"], [2 + half, 1.0])
+
+
+def test_fitted_trend():
+    steps = np.arange(1, 11)
+    rng = np.random.default_rng(4)
+    values = np.stack([0.02 * steps + 0.1, -0.01 * steps + 0.5, rng.random(10)])
+    trend = fitted_trend(steps, values)
+    expected = [stats.linregress(steps, row).slope for row in values]
+    np.testing.assert_allclose(trend["slopes"], expected, rtol=1e-12)
+    assert trend["slopes"][:2] == pytest.approx([0.02, -0.01])
+    assert trend["mean"] == pytest.approx(np.mean(expected))
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(expected), scale=stats.sem(expected))
+    assert (trend["low"], trend["high"]) == pytest.approx((low, high))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: iid_degenerate_rate([0.5, 1.2], 4), "pass_rates must lie in"),
     (lambda: iid_degenerate_rate(float("nan"), 4), "pass_rates must lie in"),
@@ -213,6 +299,10 @@ def test_dynamic_sampling():
     (lambda: gradient_share(torch.zeros(3), torch.ones(3, dtype=torch.bool)), "group_gradients"),
     (lambda: gradient_share(torch.zeros(3, 2), torch.ones(3)), "bool mask"),
     (lambda: dynamic_sampling(REWARDS, 0, seed=0), "num_groups must be"),
+    (lambda: per_group_gradients(None, torch.zeros(15, 4), torch.zeros(15, 4),
+                                 torch.zeros(16, 2), REWARDS), "need B \\* G = 16"),
+    (lambda: seed_band(np.zeros((1, 3))), "num_runs >= 2"),
+    (lambda: fitted_trend([1, 2, 3], np.zeros((2, 4))), "num_steps = 3"),
 ])
 def test_informative_errors(call, message):
     with pytest.raises(ValueError, match=message):

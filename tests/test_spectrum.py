@@ -16,19 +16,34 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from grpo_companion.advantages import group_advantages
 from grpo_companion.policy_gradient import SequencePolicy, sum_mod_reward
 from grpo_companion.spectrum import (
+    GROUP_CANDIDATES,
     centroid_coefficient,
     centroid_difference,
     class_sums,
+    classify_ranks,
     completion_log_probs,
+    diagonal_blocks,
+    disjoint_groups,
     effective_rank,
     energy_rank,
+    graded_reward,
     gram_singular_values,
     grams_by_layer,
+    group_candidate_grams,
     group_gradient,
+    group_gradient_gram,
+    group_gradient_ranks,
+    group_loss,
+    group_rank_frame,
+    mean_interval,
+    rank_measures,
+    reward_levels,
     score_grams,
     score_rows,
     select_parameters,
     stable_rank,
+    summarise_ranks,
+    verdict,
     weight_gradient_spectra,
     weighted_gram,
 )
@@ -356,3 +371,158 @@ def test_rejects_bad_input(batch):
         class_sums(torch.zeros(2, 3), torch.tensor([0.5, 1.0]))
     with pytest.raises(ValueError, match="one reward value"):
         centroid_difference(torch.zeros(2, 3), torch.tensor([1.0, 1.0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidates, their measures over many groups, and the verdict
+
+
+def test_reward_levels():
+    levels = reward_levels(torch.tensor([[1.0, 0.0, 1.0, 0.5], [0.0, 0.0, 0.0, 0.0]]))
+    assert levels.int().tolist() == [
+        [[1, 0, 1, 0], [0, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0]],
+        [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+    ]
+
+
+def test_candidate_grams_equal_those_of_the_explicit_matrices():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(6, 50, dtype=torch.float64, generator=generator)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    advantages = group_advantages(rewards[None], "grpo")[0]
+    grams = group_candidate_grams(scores @ scores.T, rewards, advantages)
+    assert list(grams) == list(GROUP_CANDIDATES)
+    explicit = {"scores": scores, "weighted": advantages[:, None].double() * scores,
+                "level_sums": class_sums(scores, rewards)}
+    for name, matrix in explicit.items():
+        sigma = gram_singular_values(grams[name])
+        torch.testing.assert_close(sigma[: len(matrix)], torch.linalg.svdvals(matrix))
+        assert (sigma[len(matrix):] < 1e-6 * sigma[0]).all()  # the padded rows of E
+    # Group gradients of three groups of two, from the Gram of all six rows.
+    groups = disjoint_groups(6, 2)
+    gradients = torch.stack([group_gradient(scores[g], advantages[g]) for g in groups])
+    torch.testing.assert_close(group_gradient_gram(scores @ scores.T, advantages, groups),
+                               gradients @ gradients.T)
+
+
+def test_rank_frame_on_orthonormal_scores():
+    """Orthonormal score rows (G = I): each candidate's singular values are known in closed
+    form, sigma = |A_i| for the weighted rows and sqrt(k), sqrt(R - k) for the class sums."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]])  # (B = 1, M = 8)
+    grams = torch.eye(8, dtype=torch.float64)[None]
+    frame = group_rank_frame(grams, rewards, [4, 8]).set_index(["group_size", "group",
+                                                                 "candidate"])
+    assert not frame.loc[(4, 1, "weighted"), "mixed"]
+    assert frame.loc[(4, 1, "weighted"), "entropy"] == 0  # all rewards equal: no gradient
+    assert frame.loc[(4, 0, "scores"), "entropy"] == pytest.approx(4)
+
+    def entropy_rank(sigma):
+        p = torch.tensor(sigma, dtype=torch.float64) / sum(sigma)
+        return math.exp(-(p * p.log()).sum().item())
+
+    # Group 0 of four: k = 1 correct. Class sums: sigma = 1, sqrt(3).
+    assert frame.loc[(4, 0, "level_sums"), "entropy"] == pytest.approx(entropy_rank([1, 3**0.5]))
+    assert frame.loc[(4, 0, "level_sums"), "stable"] == pytest.approx(4 / 3)
+    advantages = group_advantages(rewards[:, :4], "grpo")[0].abs().tolist()
+    assert frame.loc[(4, 0, "weighted"), "entropy"] == pytest.approx(entropy_rank(advantages))
+    assert frame.loc[(4, 0, "weighted"), "energy_90"] == 3  # 3^2 + 3 * 1 of 12 in units a^2
+    # The whole eight: k = 5, class sums sqrt(5), sqrt(3).
+    assert frame.loc[(8, 0, "level_sums"), "stable"] == pytest.approx(8 / 5)
+    assert frame.loc[(8, 0, "weighted"), "entropy"] == pytest.approx(entropy_rank(
+        group_advantages(rewards, "grpo")[0].abs().tolist()))
+
+
+def test_binary_class_sums_stay_at_most_two_on_the_sequence_policy(sequence_policy):
+    policy, logits, all_sequences, rewards = sequence_policy
+    samples = policy.sample(logits, 40 * 16, torch.Generator().manual_seed(0)).view(40, 16)
+    scores = policy.scores(logits, all_sequences)
+    grams = (scores @ scores.T)[samples[:, :, None], samples[:, None, :]]
+    frame = group_rank_frame(grams, rewards[samples], [2, 4, 8, 16])
+    mixed = frame[frame["mixed"]]
+    sums = mixed[mixed["candidate"] == "level_sums"]
+    assert sums["energy_99"].max() == 2 and (sums["entropy"] <= 2 + 1e-9).all()
+    # The weighted rows of a mixed group of two: two rows of equal |A|, the scores' own ranks.
+    pairs = mixed[mixed["group_size"] == 2].pivot_table(
+        index=["prompt", "group"], columns="candidate", values="entropy")
+    torch.testing.assert_close(torch.tensor(pairs["weighted"].values),
+                               torch.tensor(pairs["scores"].values))
+    weighted = mixed[mixed["candidate"] == "weighted"].groupby("group_size")["entropy"].mean()
+    assert weighted[16] > weighted[8] > weighted[4] > 3
+
+
+def test_mean_interval_and_summary():
+    t_975_2 = 4.302652729911275  # Student t quantile, 2 degrees of freedom
+    assert mean_interval([1, 2, 3]) == pytest.approx(
+        {"n": 3, "mean": 2.0, "low": 2 - t_975_2 / 3**0.5, "high": 2 + t_975_2 / 3**0.5})
+    assert mean_interval([2.5]) == {"n": 1, "mean": 2.5, "low": None, "high": None}
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    frame = group_rank_frame(torch.eye(4, dtype=torch.float64)[None], rewards, [2])
+    summary = summarise_ranks(frame, ["candidate", "group_size"]).set_index(
+        ["candidate", "measure"])
+    assert summary.loc[("scores", "entropy"), "n"] == 1  # group 1 (1, 1) is left out
+    assert summary.loc[("scores", "entropy"), "mean"] == pytest.approx(2)
+
+
+def test_classify_ranks_and_verdict():
+    assert classify_ranks({2: 1.9, 4: 2.3, 8: 1.6}) == "about 2"
+    assert classify_ranks({2: 1.9, 4: 3.5, 8: 6.0}) == "grows with R"
+    assert classify_ranks({2: 1.0, 4: 1.2}) == "about 1"
+    assert classify_ranks({2: 3.0, 4: 2.8}) == "other"
+    assert classify_ranks({2: 1.29, 16: 1.89}) == "at most 2"
+    assert classify_ranks({8: 2.0}) == "one R only"
+    pd = pytest.importorskip("pandas")
+    summary = pd.DataFrame([
+        {"model": "m", "reward": "binary", "stage": "s", "candidate": candidate,
+         "group_size": size, "measure": "entropy", "mean": mean}
+        for candidate, means in [("level_sums", (1.9, 1.95)), ("weighted", (1.9, 7.5))]
+        for size, mean in zip((2, 16), means)
+    ])
+    rows, text = verdict(summary)
+    assert [row["class"] for row in rows] == ["about 2", "grows with R"]
+    assert "holds for level_sums on m, s, binary (1.90 to 1.95)." in text
+    assert "does not hold (grows with R) for weighted on m, s, binary (1.90 to 7.50)." in text
+    none_hold = verdict(summary[summary["candidate"] == "weighted"])[1]
+    assert "holds for no matrix" in none_hold
+
+
+def test_graded_reward():
+    assert graded_reward("so the answer is 10", "10") == 1.0
+    assert graded_reward("12 apples", "10") == pytest.approx(1 / 1.2)
+    assert graded_reward("it is 0.5", "0") == pytest.approx(1 / 1.5)  # |gold| < 1: absolute
+    assert graded_reward("no number", "3") == 0.0
+
+
+def test_group_loss_gradient_is_the_weighted_score_sum(batch, rows_of):
+    model, rows = tiny_llama(tie=True), rows_of(True)
+    advantages = torch.tensor([0.5, -1.0, 2.0, 0.0, -1.5], dtype=torch.float64)
+    lengths = batch[2].sum(dim=1)
+    model.zero_grad()
+    group_loss(model, *batch, advantages).backward()
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
+    # Batched here, one row at a time there: Llama's RMSNorm rounds through float32, so the
+    # two differ by ~1e-8, far below the size of any error in the weights (~1e-1).
+    torch.testing.assert_close(gradient, -(advantages / lengths) @ rows / 5, rtol=0, atol=1e-6)
+    model.zero_grad()
+
+
+def test_blocks_and_groups():
+    gram = torch.arange(36.0).view(6, 6)
+    torch.testing.assert_close(diagonal_blocks(gram, 3)[1], gram[3:, 3:])
+    with pytest.raises(ValueError, match="blocks"):
+        diagonal_blocks(gram, 4)
+    assert disjoint_groups(7, 3).tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="group_size"):
+        disjoint_groups(4, 1)
+    assert set(rank_measures(torch.ones(3))) == {"entropy", "stable", "energy_90", "energy_99"}
+
+
+def test_group_gradient_ranks_count_the_mixed_groups():
+    # Orthonormal scores: different groups' gradients are orthogonal, with norm ||A||.
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    rows = group_gradient_ranks(torch.eye(8, dtype=torch.float64), rewards, [2, 4])
+    assert [row["num_groups"] for row in rows] == [2, 2]  # (1, 0), (0, 1); both fours
+    for row in rows:  # two orthogonal gradients of equal norm (k = 1 and k = 3 mirror)
+        assert row["entropy"] == pytest.approx(2) and row["stable"] == pytest.approx(2)
+    rewards[1] = 0.0  # one group of four left with a gradient
+    assert group_gradient_ranks(torch.eye(8, dtype=torch.float64), rewards, [4])[0][
+        "entropy"] == pytest.approx(1)

@@ -8,23 +8,11 @@ import torch
 
 from grpo_companion import trainer
 from grpo_companion.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.models import TinyLlamaSpec, format_prompt, warm_start
+from grpo_companion.models import format_prompt
 from grpo_companion.rollouts import generate_rollouts
 from grpo_companion.sparsity import degenerate_fractions
 from grpo_companion.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
 
-# A random-init Llama built through models.py (tokenizer, config, seeding) without training:
-# its completions are random tokens, so a reward on their surface is mixed within groups.
-RANDOM_TINY = TinyLlamaSpec(
-    num_hidden_layers=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=2,
-    train_steps=0,
-    num_train_examples=200,
-    num_eval_examples=2,
-    max_completion_length=4,
-)
 CONFIG = GRPOConfig(
     num_generations=4,
     per_step_prompts=4,
@@ -42,11 +30,9 @@ def has_digit(completion: str, gold: str) -> float:
     return float(any(character.isdigit() for character in completion))
 
 
-
 @pytest.fixture(scope="module")
-def initial(one_thread):
-    model, tokenizer, _ = warm_start(RANDOM_TINY, progress=False)
-    return model, tokenizer
+def initial(random_tiny):
+    return random_tiny
 
 
 @pytest.fixture

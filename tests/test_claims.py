@@ -1,0 +1,298 @@
+"""The claims ledger: verdicts computed from hand-built results (each of the four reachable),
+a clear one-line error for a missing chapter, failed chapter, key or figure, a registry whose
+every chapter and figure exists in the book, the schema of claims.json, and the exercises every
+chapter must end with."""
+
+import json
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from grpo_companion.claims import (
+    CLAIMS,
+    NEEDS_SETUP,
+    NOT_REPRODUCED,
+    QUALITATIVE,
+    REPRODUCED,
+    SOURCES,
+    VERDICTS,
+    Check,
+    Claim,
+    ClaimError,
+    evaluate_expression,
+    expression_keys,
+    judge,
+    ledger,
+    markdown_table,
+    near,
+    write_ledger,
+)
+from grpo_companion.pipeline import Project
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RANK_CLAIM = Claim(
+    id="rank_two",
+    statement="effective rank about 2 at every R",
+    source="paper",
+    chapter="05_rank",
+    figure="effective_rank",
+    measured="max(effective_ranks)",
+    source_value=2.0,
+    reproduced=(near("min(effective_ranks)", 2.0, 0.5), near("max(effective_ranks)", 2.0, 0.5)),
+    qualitatively=(Check("max(effective_ranks) - min(effective_ranks)", high=1.0),),
+    requires={"model_name": "nvidia/Nemotron-Mini-4B-Instruct", "profile": "gpu"},
+)
+
+
+def results(values, profile="gpu", chapter="05_rank", figures=("effective_rank",)):
+    return {
+        "chapter": chapter,
+        "profile": profile,
+        "seed": 0,
+        "values": values,
+        "figures": list(figures),
+    }
+
+
+def test_expressions_read_keys_and_refuse_anything_else():
+    values = {"a": 3.0, "ranks": [1.5, 2.5], "table": {"x": 4}}
+    assert expression_keys("abs(a - max(ranks)) / table['x']") == ["a", "ranks", "table"]
+    assert evaluate_expression("abs(a - max(ranks)) / table['x']", values) == 0.125
+    assert evaluate_expression("-a ** 2 + len(ranks) + ranks[1]", values) == -4.5
+    for bad in ("a.real", "__import__('os')", "a if a else 0", "open('x')", "[a][0]"):
+        with pytest.raises(ValueError, match="unsupported"):
+            evaluate_expression(bad, values)
+
+
+def test_near_states_its_tolerance_and_reads_negative_targets():
+    assert str(near("slope", -0.5, 0.1)) == "abs(slope + 0.5) ≤ 0.1"
+    check = near("slope", -0.5, 0.1)
+    assert evaluate_expression(check.expression, {"slope": -0.45}) == pytest.approx(0.05)
+    assert str(Check("x", 1.0, 2.0)) == "1 ≤ x ≤ 2" and str(Check("x", low=1e-6)) == "x ≥ 1e-06"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "profile", "model", "verdict"),
+    [
+        ([1.9, 2.1, 2.3], "gpu", "nvidia/Nemotron-Mini-4B-Instruct", REPRODUCED),
+        ([2.6, 2.9, 3.1], "gpu", "nvidia/Nemotron-Mini-4B-Instruct", QUALITATIVE),
+        ([1.0, 2.0, 4.0], "gpu", "nvidia/Nemotron-Mini-4B-Instruct", NOT_REPRODUCED),
+        # the checks would pass: the setup, as the results record it, decides first
+        ([1.9, 2.1, 2.3], "cpu", "nvidia/Nemotron-Mini-4B-Instruct", NEEDS_SETUP),
+        ([1.9, 2.1, 2.3], "gpu", "tiny-llama", NEEDS_SETUP),
+    ],
+)
+def test_every_verdict_is_reachable_and_computed_from_the_results(ranks, profile, model, verdict):
+    judged = judge(RANK_CLAIM, results({"effective_ranks": ranks, "model_name": model}, profile))
+    assert judged["verdict"] == verdict
+    if verdict == NEEDS_SETUP:  # another setup's numbers are neither shown nor checked
+        assert judged["setup_mismatch"] in ({"profile": "cpu"}, {"model_name": "tiny-llama"})
+        assert judged["measured_value"] is None and judged["checks"]["reproduced"] == []
+        return
+    assert judged["measured_value"] == max(ranks)
+    reproduced = judged["checks"]["reproduced"]
+    assert [row["value"] for row in reproduced] == pytest.approx(
+        [abs(min(ranks) - 2), abs(max(ranks) - 2)]
+    )
+    assert all(row["low"] is None and row["high"] == 0.5 for row in reproduced)
+
+
+def test_a_mismatched_setup_needs_no_value_of_the_missing_model():
+    claim = replace(RANK_CLAIM, measured='ranks_by_model["nemotron"]')
+    judged = judge(claim, results({"ranks_by_model": {"tiny": 3.0}, "model_name": "tiny-llama",
+                                   "effective_ranks": [3.0]}, "cpu"))
+    assert judged["verdict"] == NEEDS_SETUP
+
+
+def test_a_registry_rule_on_hand_built_values():
+    universal = next(claim for claim in CLAIMS if claim.id == "R_universal_group_size")
+    values = {"rloo_best_group_size": 12, "best_group_size_min": 10.0}
+    for distinct, largest, verdict in [
+        (1, 12.0, REPRODUCED),
+        (1, 50.0, QUALITATIVE),
+        (2, 12.0, NOT_REPRODUCED),
+    ]:
+        hand_built = results(
+            {**values, "rloo_best_group_sizes_distinct": distinct, "best_group_size_max": largest},
+            "cpu",
+            "08_group_size",
+            ["best_group_size_vs_pass_rates"],
+        )
+        assert judge(universal, hand_built)["verdict"] == verdict
+
+
+def write_build(build_dir: Path, chapter_results: dict, figure_files=True) -> Path:
+    for chapter, result in chapter_results.items():
+        (build_dir / "results").mkdir(parents=True, exist_ok=True)
+        (build_dir / "results" / f"{chapter}.json").write_text(json.dumps(result))
+        if figure_files:
+            for figure in result["figures"]:
+                path = build_dir / "figures" / chapter / f"{figure}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"png")
+    return build_dir
+
+
+GOOD = results({"effective_ranks": [2.0, 2.1], "model_name": "tiny-llama"}, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ("no chapter", "claim rank_two: chapter 05_rank has no results"),
+        ("failed", "claim rank_two: chapter 05_rank failed in its last run"),
+        ("no key", "claim rank_two: chapter 05_rank recorded no key 'effective_ranks'"),
+        ("no model", "claim rank_two: chapter 05_rank recorded no key 'model_name'"),
+        ("figure not recorded", "claim rank_two: chapter 05_rank has no figure 'effective_rank'"),
+        ("figure file missing", "claim rank_two: chapter 05_rank has no figure 'effective_rank'"),
+    ],
+)
+def test_a_claim_that_cannot_be_judged_names_claim_chapter_and_key(tmp_path, broken, message):
+    values = dict(GOOD["values"])
+    figures = GOOD["figures"]
+    if broken == "no key":
+        del values["effective_ranks"]
+    if broken == "no model":
+        del values["model_name"]
+    if broken == "figure not recorded":
+        figures = []
+    build = write_build(
+        tmp_path,
+        {}
+        if broken == "no chapter"
+        else {"05_rank": {**GOOD, "values": values, "figures": figures}},
+        figure_files=broken != "figure file missing",
+    )
+    if broken == "failed":
+        (build / "failed").mkdir()
+        (build / "failed" / "05_rank.ipynb").write_text("{}")
+    with pytest.raises(ClaimError) as error:
+        ledger(build, [RANK_CLAIM])
+    text = str(error.value)
+    assert text.startswith(message) and "\n" not in text
+    assert "'effective_ranks'" in text or "'model_name'" in text  # the key is named
+
+
+def test_claims_json_schema(tmp_path):
+    other = Claim(
+        id="slope",
+        statement="error falls like n^(-1/2)",
+        source="paper",
+        chapter="01_policy_gradient",
+        figure="error_vs_samples",
+        measured="error_slope",
+        reproduced=(near("error_slope", -0.5, 0.1),),
+    )
+    build = write_build(
+        tmp_path,
+        {
+            "05_rank": GOOD,
+            "01_policy_gradient": results(
+                {"error_slope": -0.3}, "smoke", "01_policy_gradient", ["error_vs_samples"]
+            ),
+        },
+    )
+    table = ledger(build, [RANK_CLAIM, other])
+    path = write_ledger(table, build / "results" / "claims.json")
+
+    def no_infinity(name):
+        raise AssertionError(f"claims.json holds {name}")
+
+    stored = json.loads(path.read_text(), parse_constant=no_infinity)
+    assert stored == json.loads(json.dumps(table))
+    assert stored["verdicts"] == list(VERDICTS)
+    assert stored["summary"] == {REPRODUCED: 0, QUALITATIVE: 0, NOT_REPRODUCED: 1, NEEDS_SETUP: 1}
+    assert stored["profiles"] == ["cpu", "smoke"]
+    rank, slope = stored["claims"]
+    assert rank["verdict"] == NEEDS_SETUP and rank["setup_mismatch"] == {
+        "model_name": "tiny-llama",
+        "profile": "cpu",
+    }
+    assert rank["model_name"] == "tiny-llama" and rank["source_value"] == 2.0
+    assert slope["verdict"] == NOT_REPRODUCED and slope["measured_value"] == -0.3
+    assert slope["figure_path"] == "figures/01_policy_gradient/error_vs_samples.png"
+    for row in stored["claims"]:
+        assert set(row) >= {
+            "id",
+            "statement",
+            "source",
+            "source_citation",
+            "source_value",
+            "chapter",
+            "figure",
+            "results_key",
+            "measured_value",
+            "verdict",
+            "checks",
+            "profile",
+            "seed",
+            "model_name",
+            "notes",
+        }
+        for check in row["checks"]["reproduced"] + row["checks"]["qualitatively"]:
+            assert set(check) == {"expression", "value", "low", "high", "passed"}
+    stored["claims"][0]["statement"] = "the length |o| of a completion"
+    markdown = markdown_table(stored)
+    assert markdown.count("\n") == 3  # header, rule, two rows
+    assert [len(re.findall(r"(?<!\\)\|", line)) for line in markdown.splitlines()] == [8] * 4
+    assert "{doc}`05_rank`, figure [effective_rank](../figures/05_rank/effective_rank.png)" in (
+        markdown
+    )
+
+
+class _One(float):
+    """1.0 that also stands for a table of results: any subscript of it is itself."""
+
+    def __getitem__(self, key):
+        return self
+
+
+def test_registry_rows_are_well_formed():
+    ids = [claim.id for claim in CLAIMS]
+    assert len(ids) == len(set(ids)) and all(claim_id.isidentifier() for claim_id in ids)
+    chapters = Project(ROOT).chapters
+    for claim in CLAIMS:
+        assert claim.source in SOURCES and claim.statement and claim.notes
+        assert claim.chapter in chapters, f"{claim.id}: no chapter {claim.chapter}"
+        source = (ROOT / "book" / f"{claim.chapter}.md").read_text()
+        assert re.search(rf'report\.figure\([^)]*"{claim.figure}"\)', source), (
+            f"{claim.id}: chapter {claim.chapter} draws no figure {claim.figure!r}"
+        )
+        assert claim.reproduced and claim.qualitatively != claim.reproduced
+        ones = {key: _One(1.0) for key in claim.keys}
+        for check in (*claim.reproduced, *claim.qualitatively):
+            assert check.low <= check.high and (
+                math.isfinite(check.low) or math.isfinite(check.high)
+            )
+            evaluate_expression(check.expression, ones)  # the grammar accepts it
+
+
+EXERCISE = re.compile(r"^\d+\. ", re.MULTILINE)
+SOLUTION = re.compile(r"`{3,}\{admonition\} Solution\n\s*:class: dropdown\n")
+
+
+@pytest.mark.parametrize("chapter", Project(ROOT).chapters)
+def test_every_chapter_ends_with_two_or_three_exercises(chapter):
+    text = (ROOT / "book" / f"{chapter}.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)
+    assert sections[-1].startswith("Exercises\n"), f"{chapter}: the last section is not Exercises"
+    exercises = EXERCISE.split(sections[-1])[1:]
+    assert 2 <= len(exercises) <= 3, f"{chapter}: {len(exercises)} exercises"
+    assert all(SOLUTION.search(exercise) for exercise in exercises), (
+        f"{chapter}: every exercise needs a dropdown solution"
+    )
+    assert any("python -m grpo_companion run" in exercise for exercise in exercises), (
+        f"{chapter}: no exercise changes a papermill parameter"
+    )
+
+
+def test_an_undefined_ratio_passes_no_check_and_is_recorded_as_none():
+    claim = replace(RANK_CLAIM, measured="spread / noise", requires={},
+                    reproduced=(Check("spread / noise", low=3.0),), qualitatively=())
+    judged = judge(claim, results({"spread": 0.0, "noise": 0.0, "effective_ranks": [1.0]}, "cpu"))
+    assert judged["verdict"] == NOT_REPRODUCED
+    assert judged["measured_value"] is None and judged["checks"]["reproduced"][0]["value"] is None
