@@ -239,7 +239,7 @@ def generate_rollouts(
 
 
 @torch.no_grad()
-def greedy_accuracy(
+def greedy_completions(
     model,
     tokenizer,
     prompts: list[str],
@@ -248,8 +248,8 @@ def greedy_accuracy(
     max_completion_length: int,
     batch_size: int = 64,
     reward_fn: Callable[[str, str], float] = gsm8k.reward,
-) -> float:
-    """Mean reward of the greedy (argmax) completion of each prompt: held-out accuracy."""
+) -> tuple[list[float], list[str]]:
+    """The greedy (argmax) completion of each prompt and its reward: (rewards, texts), n each."""
     prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
     config = sampling_config(
         model,
@@ -263,7 +263,14 @@ def greedy_accuracy(
         completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id
     )
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return sum(reward_fn(text, gold) for text, gold in zip(texts, golds)) / len(prompts)
+    return [reward_fn(text, gold) for text, gold in zip(texts, golds)], texts
+
+
+def greedy_accuracy(model, tokenizer, prompts: list[str], golds: list[str], **settings) -> float:
+    """Mean reward of the greedy completion of each prompt (`greedy_completions`' settings):
+    held-out accuracy."""
+    rewards, _ = greedy_completions(model, tokenizer, prompts, golds, **settings)
+    return sum(rewards) / len(prompts)
 
 
 def _tokenize_prompts(tokenizer, prompts: list[str], device) -> tuple[Tensor, Tensor]:

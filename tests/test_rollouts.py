@@ -9,6 +9,7 @@ from grpo_companion.rollouts import (
     cut_at_eos,
     generate_rollouts,
     greedy_accuracy,
+    greedy_completions,
     sequence_log_probs,
 )
 
@@ -232,6 +233,10 @@ def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
         reward_fn=lambda text, gold: float(text == gold),
     )
     assert accuracy == 1.0
+    rewards, texts = greedy_completions(model, tokenizer, prompts, expected,
+                                        max_completion_length=8,
+                                        reward_fn=lambda text, gold: float(text == gold))
+    assert texts == expected and rewards == [1.0] * len(prompts)
 
 
 def test_cut_at_eos_with_pad_equal_to_eos_and_several_eos_tokens():
