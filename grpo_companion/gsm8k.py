@@ -240,6 +240,7 @@ def load_gsm8k(
     *,
     path: str | Path | None = None,
     num_examples: int | None = None,
+    skip: int = 0,
     seed: int = 0,
     hub_timeout: float = 5.0,
 ) -> datasets.Dataset:
@@ -252,6 +253,9 @@ def load_gsm8k(
             (reasoning-gym) or "arithmetic" (this module's generator).
         num_examples: "hub"/"jsonl": the first n examples (lm-eval's ``--limit``); generated
             sources: how many distinct problems (default: GSM8K's size for the split).
+        skip: start after the split's first `skip` problems (same source and seed), so that
+            ``load_gsm8k("train", skip=k)`` is disjoint from ``load_gsm8k("train", num_examples=k)``:
+            a validation set drawn from the training split, which leaves the test split unseen.
         seed: generated sources only. Train and test questions never overlap, for any seed.
         hub_timeout: seconds to wait for the Hub's TCP handshake before giving up.
     """
@@ -261,6 +265,8 @@ def load_gsm8k(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if num_examples is not None and (type(num_examples) is not int or num_examples <= 0):
         raise ValueError(f"num_examples must be a positive int or None, got {num_examples!r}")
+    if type(skip) is not int or skip < 0:
+        raise ValueError(f"skip must be a non-negative int, got {skip!r}")
     if (path is None) == (source == "jsonl"):
         raise ValueError("path is required for source='jsonl' and only allowed with it")
     if source in ("hub", "jsonl"):
@@ -269,10 +275,12 @@ def load_gsm8k(
         else:
             path = Path(path)
             dataset = _read_jsonl(path / f"{split}.jsonl" if path.is_dir() else path)
-        if num_examples is not None and num_examples > len(dataset):
-            raise ValueError(f"num_examples={num_examples} > {len(dataset)} available")
-        return dataset if num_examples is None else dataset.select(range(num_examples))
-    n = num_examples or GSM8K_SIZES[split]
+        stop = len(dataset) if num_examples is None else skip + num_examples
+        if stop > len(dataset) or skip >= len(dataset):
+            raise ValueError(f"skip={skip} and num_examples={num_examples} ask for more than the "
+                             f"{len(dataset)} examples available")
+        return dataset if (skip, stop) == (0, len(dataset)) else dataset.select(range(skip, stop))
+    n = skip + (num_examples or GSM8K_SIZES[split])
     seed = _derived_seed(seed, source, split)
     cap = 20 * n + 1000  # candidates to try before declaring the problem space exhausted
     if source == "gsm_symbolic":
@@ -280,4 +288,5 @@ def load_gsm8k(
     else:
         problems = _arithmetic_problems(random.Random(seed))
         candidates = (next(problems) for _ in range(cap))
-    return _take_distinct(candidates, split, n, source)
+    problems = _take_distinct(candidates, split, n, source)
+    return problems.select(range(skip, n)) if skip else problems

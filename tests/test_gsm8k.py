@@ -234,6 +234,9 @@ def test_generated_sources(source, n):
     for row in train:
         assert row["answer"].splitlines()[-1].startswith("#### ")
         assert reward(row["answer"], gold_answer(row["answer"])) == 1.0
+    # skip=k continues the stream where num_examples=k stops: a validation set from the train split
+    validation = load_gsm8k("train", source, num_examples=n // 2, skip=n // 2, seed=1)
+    assert validation[:] == train.select(range(n // 2, n))[:]
 
 
 def test_arithmetic_splits_disjoint_at_full_size():
@@ -281,6 +284,8 @@ def test_jsonl_sample(tmp_path):
     assert [gold_answer(a) for a in dataset["answer"]] == ["36", "120", "1200", "25"]
     first_two = load_gsm8k("test", "jsonl", path=DATA / "gsm8k_sample.jsonl", num_examples=2)
     assert first_two[:] == dataset[:2]
+    last_two = load_gsm8k("test", "jsonl", path=DATA / "gsm8k_sample.jsonl", skip=2)
+    assert last_two[:] == dataset.select(range(2, 4))[:]
     (tmp_path / "train.jsonl").write_bytes((DATA / "gsm8k_sample.jsonl").read_bytes())
     assert len(load_gsm8k("train", "jsonl", path=tmp_path)) == 4  # a folder: {split}.jsonl
 
@@ -329,7 +334,11 @@ def test_jsonl_bad_content(tmp_path, content, message):
         (("train", "arithmetic"), {"num_examples": True}, "num_examples"),
         (("train", "jsonl"), {}, "path"),
         (("train", "arithmetic"), {"path": "x.jsonl"}, "path"),
-        (("test", "jsonl"), {"path": DATA / "gsm8k_sample.jsonl", "num_examples": 5}, "5 > 4"),
+        (("test", "jsonl"), {"path": DATA / "gsm8k_sample.jsonl", "num_examples": 5}, "the 4 examples"),
+        (("test", "jsonl"), {"path": DATA / "gsm8k_sample.jsonl", "skip": 4}, "skip=4"),
+        (("test", "jsonl"), {"path": DATA / "gsm8k_sample.jsonl", "skip": 3, "num_examples": 2}, "skip=3"),
+        (("train", "arithmetic"), {"skip": -1}, "skip"),
+        (("train", "arithmetic"), {"skip": 1.0}, "skip"),
     ],
 )
 def test_bad_arguments(args, kwargs, message):
