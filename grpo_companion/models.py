@@ -171,6 +171,11 @@ class TinyLlamaSpec:
         if not 0 < self.target_accuracy <= 1:
             raise ValueError(f"TinyLlamaSpec.target_accuracy must be in (0, 1], got {self.target_accuracy}")
 
+    @property
+    def num_train_split_problems(self) -> int:
+        """How many of the training split's first problems the warm start trains or stops on."""
+        return self.num_train_examples + self.num_validation_examples
+
     def cache_key(self) -> str:
         """Folder name of this spec's checkpoint: changes with any field, the recipe
         version, or the problems the generator produces for this seed."""
@@ -223,7 +228,7 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
     problems = load_gsm8k(
         "train",
         source="arithmetic",
-        num_examples=spec.num_train_examples + spec.num_validation_examples,
+        num_examples=spec.num_train_split_problems,
         seed=spec.seed,
     )
     train = problems.select(range(spec.num_train_examples))
