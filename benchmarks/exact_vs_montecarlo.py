@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.exact import estimator_moments
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.exact import estimator_moments
 
 TARGET_SECONDS = 1.0
 METHOD = "grpo"

@@ -69,9 +69,9 @@ from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 
-from grpo_companion import gsm8k
-from grpo_companion.models import TinyLlamaSpec, format_prompt, load_tiny_llama
-from grpo_companion.trainer import GRPOConfig, grpo_step
+from grpo_companion.lm import gsm8k
+from grpo_companion.lm.models import TinyLlamaSpec, format_prompt, load_tiny_llama
+from grpo_companion.lm.trainer import GRPOConfig, grpo_step
 
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.

@@ -38,8 +38,8 @@ from unittest import mock
 import torch
 from transformers.utils import logging as transformers_logging
 
-from grpo_companion import gsm8k, rollouts
-from grpo_companion.models import TinyLlamaSpec, format_prompt, load_tiny_llama
+from grpo_companion.lm import gsm8k, rollouts
+from grpo_companion.lm.models import TinyLlamaSpec, format_prompt, load_tiny_llama
 
 NUM_PROMPTS, NUM_GENERATIONS, MAX_COMPLETION_LENGTH, TEMPERATURE, SEED = 16, 8, 48, 1.0, 0
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.

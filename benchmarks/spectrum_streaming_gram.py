@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from grpo_companion.spectrum import (
+from grpo_companion.chapters.rank import (
     completion_log_probs,
     gram_singular_values,
     score_grams,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo_companion.models import TinyLlamaSpec, warm_start
+from grpo_companion.lm.models import TinyLlamaSpec, warm_start
 
 # A random-init Llama built through models.py (tokenizer, config, seeding) without training:
 # a forward pass costs milliseconds, and its completions are random tokens, so a reward on their

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_companion.advantages import METHODS, group_advantages
+from grpo_companion.core.advantages import METHODS, group_advantages
 
 
 @st.composite

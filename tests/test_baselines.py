@@ -7,7 +7,7 @@ errors of the sample variance and was checked not to sit near it.
 import pytest
 import torch
 
-from grpo_companion.baselines import (
+from grpo_companion.chapters.baselines import (
     baseline_gap,
     group_variances,
     optimal_token_baselines,
@@ -18,8 +18,8 @@ from grpo_companion.baselines import (
     uncorrelated_reward,
     value_baselines,
 )
-from grpo_companion.group_estimators import group_estimator_moments, sample_group_estimates
-from grpo_companion.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
+from grpo_companion.core.group_estimators import group_estimator_moments, sample_group_estimates
+from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_companion.pipeline import Project, build_html, execute_chapter
+from grpo_companion.machinery.pipeline import Project, build_html, execute_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_companion.claims import (
+from grpo_companion.machinery.claims import (
     CLAIMS,
     NEEDS_SETUP,
     NOT_REPRODUCED,
@@ -30,7 +30,7 @@ from grpo_companion.claims import (
     near,
     write_ledger,
 )
-from grpo_companion.pipeline import Project
+from grpo_companion.machinery.pipeline import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ RANK_CLAIM = Claim(
     id="rank_two",
     statement="effective rank about 2 at every R",
     source="paper",
-    chapter="05_rank",
+    chapter="07_rank",
     figure="effective_rank",
     measured="max(effective_ranks)",
     source_value=2.0,
@@ -48,7 +48,7 @@ RANK_CLAIM = Claim(
 )
 
 
-def results(values, profile="gpu", chapter="05_rank", figures=("effective_rank",)):
+def results(values, profile="gpu", chapter="07_rank", figures=("effective_rank",)):
     return {
         "chapter": chapter,
         "profile": profile,
@@ -119,7 +119,7 @@ def test_a_registry_rule_on_hand_built_values():
         hand_built = results(
             {**values, "rloo_best_group_sizes_distinct": distinct, "best_group_size_max": largest},
             "cpu",
-            "08_group_size",
+            "10_group_size",
             ["best_group_size_vs_pass_rates"],
         )
         assert judge(universal, hand_built)["verdict"] == verdict
@@ -143,12 +143,12 @@ GOOD = results({"effective_ranks": [2.0, 2.1], "model_name": "tiny-llama"}, "cpu
 @pytest.mark.parametrize(
     ("broken", "message"),
     [
-        ("no chapter", "claim rank_two: chapter 05_rank has no results"),
-        ("failed", "claim rank_two: chapter 05_rank failed in its last run"),
-        ("no key", "claim rank_two: chapter 05_rank recorded no key 'effective_ranks'"),
-        ("no model", "claim rank_two: chapter 05_rank recorded no key 'model_name'"),
-        ("figure not recorded", "claim rank_two: chapter 05_rank has no figure 'effective_rank'"),
-        ("figure file missing", "claim rank_two: chapter 05_rank has no figure 'effective_rank'"),
+        ("no chapter", "claim rank_two: chapter 07_rank has no results"),
+        ("failed", "claim rank_two: chapter 07_rank failed in its last run"),
+        ("no key", "claim rank_two: chapter 07_rank recorded no key 'effective_ranks'"),
+        ("no model", "claim rank_two: chapter 07_rank recorded no key 'model_name'"),
+        ("figure not recorded", "claim rank_two: chapter 07_rank has no figure 'effective_rank'"),
+        ("figure file missing", "claim rank_two: chapter 07_rank has no figure 'effective_rank'"),
     ],
 )
 def test_a_claim_that_cannot_be_judged_names_claim_chapter_and_key(tmp_path, broken, message):
@@ -164,12 +164,12 @@ def test_a_claim_that_cannot_be_judged_names_claim_chapter_and_key(tmp_path, bro
         tmp_path,
         {}
         if broken == "no chapter"
-        else {"05_rank": {**GOOD, "values": values, "figures": figures}},
+        else {"07_rank": {**GOOD, "values": values, "figures": figures}},
         figure_files=broken != "figure file missing",
     )
     if broken == "failed":
         (build / "failed").mkdir()
-        (build / "failed" / "05_rank.ipynb").write_text("{}")
+        (build / "failed" / "07_rank.ipynb").write_text("{}")
     with pytest.raises(ClaimError) as error:
         ledger(build, [RANK_CLAIM])
     text = str(error.value)
@@ -190,7 +190,7 @@ def test_claims_json_schema(tmp_path):
     build = write_build(
         tmp_path,
         {
-            "05_rank": GOOD,
+            "07_rank": GOOD,
             "01_policy_gradient": results(
                 {"error_slope": -0.3}, "smoke", "01_policy_gradient", ["error_vs_samples"]
             ),
@@ -239,7 +239,7 @@ def test_claims_json_schema(tmp_path):
     markdown = markdown_table(stored)
     assert markdown.count("\n") == 3  # header, rule, two rows
     assert [len(re.findall(r"(?<!\\)\|", line)) for line in markdown.splitlines()] == [8] * 4
-    assert "{doc}`05_rank`, figure [effective_rank](../figures/05_rank/effective_rank.png)" in (
+    assert "{doc}`07_rank`, figure [effective_rank](../figures/07_rank/effective_rank.png)" in (
         markdown
     )
 

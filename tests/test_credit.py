@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_companion.credit import (
+from grpo_companion.chapters.credit import (
     TOKEN_CLASSES,
     PrefixValues,
     answer_reward,
@@ -21,9 +21,9 @@ from grpo_companion.credit import (
     token_classes,
     token_scores,
 )
-from grpo_companion.models import build_tokenizer, format_prompt
-from grpo_companion.policy_gradient import SequencePolicy
-from grpo_companion.rollouts import generate_rollouts
+from grpo_companion.lm.models import build_tokenizer, format_prompt
+from grpo_companion.core.policy_gradient import SequencePolicy
+from grpo_companion.lm.rollouts import generate_rollouts
 
 
 def test_token_advantages_hand_built_and_constant_per_row():

@@ -3,8 +3,8 @@ import pytest
 import torch
 from scipy.special import betaln
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.exact import (
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.exact import (
     average_over_pass_rates,
     best_step_error,
     beta_quadrature,

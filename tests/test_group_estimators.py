@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion import exact
-from grpo_companion.advantages import group_advantages
-from grpo_companion.group_estimators import (
+from grpo_companion.core import exact
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.group_estimators import (
     batch_loss,
     gradient_weight,
     group_estimator_moments,
@@ -25,7 +25,7 @@ from grpo_companion.group_estimators import (
     sequence_kl_estimates,
     token_weights,
 )
-from grpo_companion.policy_gradient import SequencePolicy, reinforce_gradient, sum_mod_reward
+from grpo_companion.core.policy_gradient import SequencePolicy, reinforce_gradient, sum_mod_reward
 
 F64 = torch.float64
 

@@ -1,7 +1,7 @@
 """Chapter 8: the U-statistic form, exact moments on the sequence policy, the budget trade-off.
 
 Two independent exact routes are checked against each other (Hoeffding's variance from pair
-enumeration, and the conditional-on-k sums of `grpo_companion.exact` on the policy's reward
+enumeration, and the conditional-on-k sums of `grpo_companion.core.exact` on the policy's reward
 geometry), both against brute-force enumeration of every ordered group where that is small, and
 against Monte Carlo. Monte Carlo tolerances are 5 standard errors of a sample mean, seeds fixed.
 """
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.exact import beta_quadrature, estimator_moments
-from grpo_companion.group_size import (
+from grpo_companion.core.exact import beta_quadrature, estimator_moments
+from grpo_companion.chapters.group_size import (
     best_group_size,
     budget_moments,
     group_gradient,
@@ -27,7 +27,7 @@ from grpo_companion.group_size import (
     u_statistic,
     u_statistic_variance,
 )
-from grpo_companion.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
+from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for grpo_companion.gsm8k: lm-eval answer extraction, reward, and every data source."""
+"""Tests for grpo_companion.lm.gsm8k: lm-eval answer extraction, reward, and every data source."""
 
 import operator
 import os
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_companion import gsm8k
-from grpo_companion.gsm8k import (
+from grpo_companion.lm import gsm8k
+from grpo_companion.lm.gsm8k import (
     GSM8KUnavailableError,
     extract_answer,
     gold_answer,
@@ -350,7 +350,7 @@ def test_bad_arguments(args, kwargs, message):
 
 _SCRIPT = """
 import time
-from grpo_companion.gsm8k import GSM8KUnavailableError, load_gsm8k
+from grpo_companion.lm.gsm8k import GSM8KUnavailableError, load_gsm8k
 start = time.perf_counter()
 try:
     load_gsm8k("test")

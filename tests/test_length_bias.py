@@ -1,5 +1,5 @@
 """Chapter 7's two-length toy against brute force: every token sequence enumerated, the update
-taken by autograd through `grpo_companion.losses.aggregate(..., "length_alpha")`."""
+taken by autograd through `grpo_companion.core.losses.aggregate(..., "length_alpha")`."""
 
 import itertools
 import math
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.length_bias import TwoLengthToy
-from grpo_companion.losses import aggregate
+from grpo_companion.chapters.advantage_zoo import TwoLengthToy
+from grpo_companion.core.losses import aggregate
 
 TOY = TwoLengthToy(short_length=2, long_length=4, long_logit=0.4, step_logit=1.1)
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.losses import (
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.losses import (
     LOSS_TYPES,
     aggregate,
     clipped_surrogate,

@@ -8,9 +8,9 @@ import huggingface_hub
 import pytest
 import torch
 
-from grpo_companion import models
-from grpo_companion.gsm8k import load_gsm8k
-from grpo_companion.models import (
+from grpo_companion.lm import models
+from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.models import (
     DEFAULT_GPU_MODEL,
     ModelUnavailableError,
     TinyLlamaSpec,
@@ -21,7 +21,7 @@ from grpo_companion.models import (
     warm_start,
     warm_start_report,
 )
-from grpo_companion.rollouts import generate_rollouts
+from grpo_companion.lm.rollouts import generate_rollouts
 
 # Small enough to train for 20 steps in a few seconds, big enough to learn something.
 SMALL = TinyLlamaSpec(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_companion.__main__ import main
-from grpo_companion.pipeline import (
+from grpo_companion.machinery.cli import main
+from grpo_companion.machinery.pipeline import (
     PipelineError,
     Project,
     build_html,
@@ -41,7 +41,7 @@ fail = False
 
 ```{{code-cell}} ipython3
 import matplotlib.pyplot as plt
-from grpo_companion.report import ChapterReport
+from grpo_companion.machinery.report import ChapterReport
 
 report = ChapterReport("{name}", output_dir, profile, seed)
 report.record("total", num_samples * rate)
@@ -212,7 +212,7 @@ build_dir = "_build"
 import json
 from pathlib import Path
 
-from grpo_companion.report import ChapterReport
+from grpo_companion.machinery.report import ChapterReport
 
 report = ChapterReport("03_ledger", output_dir, profile, seed)
 first = json.loads((Path(build_dir) / "results" / "01_first.json").read_text())

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from grpo_companion.policy_gradient import (
+from grpo_companion.core.policy_gradient import (
     SequencePolicy,
     estimator_variance,
     monte_carlo_errors,

@@ -3,9 +3,9 @@ import copy
 import pytest
 import torch
 
-from grpo_companion.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.models import format_prompt
-from grpo_companion.rollouts import (
+from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
+from grpo_companion.lm.models import format_prompt
+from grpo_companion.lm.rollouts import (
     cut_at_eos,
     generate_rollouts,
     greedy_accuracy,

@@ -9,30 +9,26 @@ from scipy import stats
 from scipy.special import betaln
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.exact import average_over_pass_rates, beta_quadrature, estimator_moments
-from grpo_companion.losses import grpo_loss
-from grpo_companion.rollouts import sequence_log_probs
-from grpo_companion.sparsity import (
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.exact import average_over_pass_rates, beta_quadrature, estimator_moments
+from grpo_companion.core.losses import grpo_loss
+from grpo_companion.lm.rollouts import sequence_log_probs
+from grpo_companion.chapters.sparsity import (
     beta_concentration_for,
     beta_degenerate_rate,
-    degenerate_fractions,
     dynamic_sampling,
-    empirical_pass_rates,
-    fitted_trend,
     gradient_share,
     group_gradients,
     iid_degenerate_rate,
     iid_pass_rates_for,
     jensen_gap,
     kept_groups,
-    metric_by_step,
     mixture_degenerate_rate,
     per_group_gradients,
-    seed_band,
     zero_advantage_fractions,
-    zero_std_groups,
 )
+from grpo_companion.core.advantages import degenerate_fractions, empirical_pass_rates, zero_std_groups
+from grpo_companion.core.stats import fitted_trend, metric_by_step, seed_band
 
 NUM_GROUPS = 40_000  # Monte Carlo groups per check
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.policy_gradient import SequencePolicy, sum_mod_reward
-from grpo_companion.spectrum import (
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
+from grpo_companion.chapters.rank import (
     GROUP_CANDIDATES,
     centroid_coefficient,
     centroid_difference,
@@ -35,7 +35,6 @@ from grpo_companion.spectrum import (
     group_gradient_ranks,
     group_loss,
     group_rank_frame,
-    mean_interval,
     rank_measures,
     reward_levels,
     score_grams,
@@ -47,6 +46,7 @@ from grpo_companion.spectrum import (
     weight_gradient_spectra,
     weighted_gram,
 )
+from grpo_companion.core.stats import mean_interval
 
 VOCAB, PROMPT, COMPLETION, ROLLOUTS = 40, 5, 6, 5
 

@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from grpo_companion import trainer
-from grpo_companion.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.models import format_prompt
-from grpo_companion.rollouts import generate_rollouts
-from grpo_companion.sparsity import degenerate_fractions
-from grpo_companion.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
+from grpo_companion.lm import trainer
+from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
+from grpo_companion.lm.models import format_prompt
+from grpo_companion.lm.rollouts import generate_rollouts
+from grpo_companion.core.advantages import degenerate_fractions
+from grpo_companion.lm.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
 
 CONFIG = GRPOConfig(
     num_generations=4,

@@ -13,7 +13,7 @@ bounds, for instance `Check("max(effective_ranks)", high=2.5)`. The verdict is
 - "not reproduced" otherwise.
 
 Adding a claim is a few lines of data in `CLAIMS`; `tests/test_claims.py` checks that every
-chapter and figure a claim names exists in the book. Chapter 10 (`book/10_report.md`) renders the
+chapter and figure a claim names exists in the book. Chapter 10 (`book/12_report.md`) renders the
 ledger from the registry and the results of the build it is given (its `build_dir` parameter,
 injected by the pipeline) and writes the same ledger for machines to `<build_dir>/results/claims.json`.
 A claim whose chapter has no results, failed in its last run, or lacks the key or figure the claim
@@ -187,7 +187,7 @@ CLAIMS = (
         "points along ∇J, shrunk by exactly (1 - 1/G) because the mean includes the sample "
         "itself.",
         source="paper",
-        chapter="02_grpo",
+        chapter="02_group_baseline",
         figure="gradient_weight_vs_group_size",
         measured="max_error_mean_self",
         reproduced=(Check("max_residual", high=EXACT), Check("max_error_mean_self", high=EXACT)),
@@ -202,7 +202,7 @@ CLAIMS = (
         "advantage: token-level credit collapses to one scalar per rollout, although the "
         "tokens' actual contributions differ.",
         source="paper",
-        chapter="03_credit",
+        chapter="05_credit",
         figure="tiny_llama_token_advantages",
         measured="token_advantage_max_row_spread",
         reproduced=(
@@ -220,7 +220,7 @@ CLAIMS = (
         "scalar per rollout costs variance, and the tokens that decide the outcome are the "
         "intermediate steps.",
         source="paper",
-        chapter="03_credit",
+        chapter="05_credit",
         figure="credit_by_token_class",
         measured="toy_variance_ratio",
         reproduced=(
@@ -242,7 +242,7 @@ CLAIMS = (
         statement="Zero-advantage groups make the gradient sparse, and the sparsity intensifies "
         "over training as prompts become all-correct.",
         source="paper",
-        chapter="04_sparsity",
+        chapter="06_sparsity",
         figure="sparsity_over_training",
         measured="all_correct_slope_mean",
         reproduced=(Check("all_correct_slope_low", low=1e-12),),
@@ -255,7 +255,7 @@ CLAIMS = (
         statement="When pass rates vary across prompts, the degenerate-group rate "
         "E[p^G + (1-p)^G] is at least the i.i.d. prediction at the mean pass rate (Jensen).",
         source="degeneracy",
-        chapter="04_sparsity",
+        chapter="06_sparsity",
         figure="degenerate_rate_theory",
         measured="jensen_gap_min",
         reproduced=(
@@ -271,7 +271,7 @@ CLAIMS = (
         "effective rank about 2 regardless of the group size R ∈ {2, 4, 8}, from the "
         "zero-sum constraint on advantages (tested here on the tiny Llama).",
         source="paper",
-        chapter="05_rank",
+        chapter="07_rank",
         figure="language_model_ranks",
         measured='effective_rank_weighted["tiny-llama"]["8"]',
         source_value=2.0,
@@ -294,7 +294,7 @@ CLAIMS = (
         statement="The same rank-2 claim on the smallest model it can hold for: chapter 1's "
         "enumerable softmax sequence policy with a binary reward.",
         source="paper",
-        chapter="05_rank",
+        chapter="07_rank",
         figure="sequence_policy_ranks",
         measured='effective_rank_weighted["sequence policy"]["8"]',
         source_value=2.0,
@@ -313,7 +313,7 @@ CLAIMS = (
         id="P4_rank_two_nemotron",
         statement="The same rank-2 claim on the paper's own setting: Nemotron-4B on GSM8K.",
         source="paper",
-        chapter="05_rank",
+        chapter="07_rank",
         figure="language_model_ranks",
         measured='effective_rank_weighted["nvidia/Nemotron-Mini-4B-Instruct"]["8"]',
         source_value=2.0,
@@ -334,7 +334,7 @@ CLAIMS = (
         statement="Sparsity intensifies over training on the paper's setting: the all-correct "
         "fraction of groups grows while Nemotron-4B trains with GRPO on GSM8K.",
         source="paper",
-        chapter="09_gsm8k",
+        chapter="11_gsm8k",
         figure="learning_curves",
         measured="all_correct_last - all_correct_first",
         reproduced=(Check("all_correct_last - all_correct_first", low=0.05),),
@@ -352,7 +352,7 @@ CLAIMS = (
         "baseline exactly when the squared score norm is uncorrelated with the reward: "
         "b* - E[r] = Cov(‖s‖², r) / E‖s‖².",
         source="paper",
-        chapter="06_baselines",
+        chapter="08_baselines",
         figure="variance_vs_baseline_cases",
         measured="max_identity_error",
         reproduced=(
@@ -370,7 +370,7 @@ CLAIMS = (
         statement="Estimating the baseline from the group costs little: leave-one-out's "
         "variance approaches that of the oracle baseline E[r] as G grows.",
         source="paper",
-        chapter="06_baselines",
+        chapter="08_baselines",
         figure="group_estimator_variance",
         measured="rloo_over_oracle_largest",
         reproduced=(
@@ -389,7 +389,7 @@ CLAIMS = (
         "update per drawn group unchanged. (The first half of claim 3; its growth over "
         "training is chapter 4's.)",
         source="paper",
-        chapter="07_advantage_zoo",
+        chapter="09_advantage_zoo",
         figure="weight_vs_pass_rate",
         measured="dapo_max_abs_difference_from_grpo",
         reproduced=(Check("dapo_max_abs_difference_from_grpo", high=EXACT),),
@@ -400,7 +400,7 @@ CLAIMS = (
         statement="The leave-one-out baseline (RLOO) gives an unbiased estimate of ∇J for "
         "every group size.",
         source="rloo",
-        chapter="02_grpo",
+        chapter="02_group_baseline",
         figure="gradient_weight_vs_group_size",
         measured="max_error_rloo",
         reproduced=(Check("max_error_rloo", high=EXACT), Check("max_residual", high=EXACT)),
@@ -412,7 +412,7 @@ CLAIMS = (
         "prompts more weight than medium ones; without it (Dr. GRPO, RLOO) every prompt "
         "weighs the same.",
         source="dr_grpo",
-        chapter="07_advantage_zoo",
+        chapter="09_advantage_zoo",
         figure="weight_vs_pass_rate",
         measured="grpo_hard_over_middle",
         reproduced=(
@@ -428,7 +428,7 @@ CLAIMS = (
         "less than each token of a short one, by the ratio of their lengths: wrong answers "
         "are penalised less for being long.",
         source="dr_grpo",
-        chapter="02_grpo",
+        chapter="02_group_baseline",
         figure="token_weights",
         measured="grpo_short_over_long_wrong",
         reproduced=(
@@ -444,7 +444,7 @@ CLAIMS = (
         "α = 1 is unbiased and only α = 0 gives every completion the same token weight: no "
         "member is both unbiased and length invariant.",
         source="length_alpha",
-        chapter="07_advantage_zoo",
+        chapter="09_advantage_zoo",
         figure="length_tradeoff",
         measured="unbiased_alpha",
         reproduced=(
@@ -463,7 +463,7 @@ CLAIMS = (
         statement="GRPO's mean-centred gradient is (1 - 1/G) times a U-statistic of order 2 "
         "(kernel ½(r - r')(s - s'), RLOO's estimator), whose MSE has Hoeffding's closed form.",
         source="u_statistic",
-        chapter="08_group_size",
+        chapter="10_group_size",
         figure="mse_vs_group_size",
         measured="u_statistic_identity_error",
         reproduced=(
@@ -479,7 +479,7 @@ CLAIMS = (
         statement="Oracle property: GRPO's MSE approaches that of the oracle that knows the "
         "true value as baseline; the relative excess decays like 1/G.",
         source="u_statistic",
-        chapter="08_group_size",
+        chapter="10_group_size",
         figure="mse_vs_group_size",
         measured="rloo_excess_largest",
         reproduced=(
@@ -497,7 +497,7 @@ CLAIMS = (
         statement="At a fixed budget of N = B × G completions per step the optimal group size "
         "is universal.",
         source="u_statistic",
-        chapter="08_group_size",
+        chapter="10_group_size",
         figure="best_group_size_vs_pass_rates",
         measured="rloo_best_group_size",
         reproduced=(

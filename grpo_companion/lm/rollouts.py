@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GenerationConfig
 
-from grpo_companion import gsm8k
+from grpo_companion.lm import gsm8k
 
 # Logits processors of `generate`, each set to its "off" value. Unset (None) fields would
 # be filled from the model's generation_config, so every one is set explicitly. The first

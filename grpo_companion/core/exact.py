@@ -10,7 +10,7 @@ pass rate is p = sigmoid(theta). The score s = d/dtheta log pi of a completion i
 and the true policy gradient of the expected reward is dp/dtheta = p (1 - p).
 
 Sample a group of G i.i.d. completions; k ~ Binomial(G, p) of them are correct. Every method
-of `grpo_companion.advantages` gives all correct completions of a group one advantage a_c(k)
+of `grpo_companion.core.advantages` gives all correct completions of a group one advantage a_c(k)
 and all incorrect ones another, a_i(k), so the estimator g = (1/G) sum_i A_i s_i depends on
 the group only through k:
 
@@ -32,7 +32,7 @@ target p (1 - p) is 0 and w is nan.
 Building a_c and a_i calls `group_advantages` once on the G + 1 canonical groups, so one
 method costs O(G^2) per group size plus O(G) per pass rate. Only per-group options are
 supported: scale_rewards="batch" couples the groups of a batch and has no per-prompt law.
-Besides `grpo_companion.advantages.METHODS`, two baselines that never look at the group are
+Besides `grpo_companion.core.advantages.METHODS`, two baselines that never look at the group are
 accepted (`GROUP_FREE`): "no_baseline" (A = r, REINFORCE) and "oracle" (A = r - p, the true
 value as baseline); both are unbiased, and both allow G = 1.
 
@@ -94,7 +94,7 @@ import torch
 from scipy.special import roots_jacobi
 from scipy.stats import binom
 
-from grpo_companion.advantages import METHODS, group_advantages
+from grpo_companion.core.advantages import METHODS, group_advantages
 
 # Baselines that do not look at the group: REINFORCE, and the true value p as baseline.
 GROUP_FREE = ("no_baseline", "oracle")
@@ -110,7 +110,7 @@ def binary_group_advantages(group_size, method="grpo", **options):
     Returns: a_correct, a_incorrect, float64 arrays of shape (G + 1,); a_correct[0] and
     a_incorrect[G] are nan (no such completion in the group).
     """
-    group_size = _check_group_size(group_size)
+    group_size = check_group_size(group_size)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS + GROUP_FREE}")
     if options.get("scale_rewards") == "batch":
@@ -133,7 +133,7 @@ def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerat
     Args:
         pass_rates: (P,) or scalar, values in [0, 1].
         group_size: G >= 2 (G >= 1 for the `GROUP_FREE` baselines).
-        method: one of `grpo_companion.advantages.METHODS` or `GROUP_FREE`.
+        method: one of `grpo_companion.core.advantages.METHODS` or `GROUP_FREE`.
         filter_degenerate: drop groups with k = 0 or k = G (Reinforce-Rej / DAPO).
         per_drawn_group: with filter_degenerate, moments per drawn group (a dropped group is a
             zero update) instead of per kept group.
@@ -145,7 +145,7 @@ def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerat
     Returns: dict of float64 arrays of shape (P,): mean, variance, bias, mse, weight (E[g] over
     p (1 - p), nan at p in {0, 1}) and degenerate_rate = p^G + (1 - p)^G.
     """
-    p = _check_pass_rates(pass_rates)[:, None]
+    p = check_pass_rates(pass_rates)[:, None]
     if per_drawn_group and not filter_degenerate:
         raise ValueError("per_drawn_group=True only makes sense with filter_degenerate=True")
     estimates, squared_noise = _conditional_moments(p, group_size, method, score_noise, **options)
@@ -176,7 +176,7 @@ def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
     "all_correct" = E[g 1{k = G}] and "mixed" = E[g 1{0 < k < G}]; they sum to E[g]. For "sign",
     all_incorrect is grad pass@G / G and all_correct is grad p^G / G (module docstring).
     """
-    p = _check_pass_rates(pass_rates)[:, None]
+    p = check_pass_rates(pass_rates)[:, None]
     estimates, _ = _conditional_moments(p, group_size, method, 0.0, **options)
     probs = binom.pmf(np.arange(estimates.shape[1]), group_size, p)
     contributions = probs * estimates
@@ -187,7 +187,7 @@ def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
 def _conditional_moments(p, group_size, method, score_noise, **options):
     """g(k) and tr Cov(g | k) from score noise, each (P, G + 1), for p of shape (P, 1)."""
     if method in GROUP_FREE:
-        group_size = _check_group_size(group_size, minimum=1)
+        group_size = check_group_size(group_size, minimum=1)
         ones = np.ones((1, group_size + 1))
         baseline = 0.0 if method == "no_baseline" else p
         a_correct, a_incorrect = (1 - baseline) * ones, -baseline * ones
@@ -218,7 +218,7 @@ def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kw
     Returns: dict of floats with the keys of `estimator_moments`. Each is the plain prompt
     average; with filter_degenerate, prompts are not reweighted by their keep rate.
     """
-    pass_rates, weights = _check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
+    pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     moments = estimator_moments(pass_rates, group_size, method, **kwargs)
     return {key: float(weights @ value) for key, value in moments.items()}
 
@@ -238,7 +238,7 @@ def best_step_error(pass_rates, weights, group_size, method="grpo", **kwargs):
     cosine between E[g] and the true gradient (1 when w(p) is the same for every prompt);
     "best_step" = c*.
     """
-    pass_rates, weights = _check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
+    pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     moments = estimator_moments(pass_rates, group_size, method, **kwargs)
     mean, variance = moments["mean"], moments["variance"]
     true_gradient = pass_rates * (1 - pass_rates)
@@ -268,18 +268,18 @@ def beta_quadrature(a, b, num_nodes=128):
 
 def pass_at_g(pass_rates, group_size):
     """P(at least one of G completions is correct) = 1 - (1 - p)^G; (P,) like pass_rates."""
-    group_size = _check_group_size(group_size)
-    return 1 - (1 - _check_pass_rates(pass_rates)) ** group_size
+    group_size = check_group_size(group_size)
+    return 1 - (1 - check_pass_rates(pass_rates)) ** group_size
 
 
 def grad_pass_at_g(pass_rates, group_size):
     """d/dtheta pass@G = G (1 - p)^(G - 1) * p (1 - p), with theta = logit(p); (P,)."""
-    group_size = _check_group_size(group_size)
-    p = _check_pass_rates(pass_rates)
+    group_size = check_group_size(group_size)
+    p = check_pass_rates(pass_rates)
     return group_size * (1 - p) ** group_size * p
 
 
-def _check_group_size(group_size, minimum=2):
+def check_group_size(group_size, minimum=2):
     if int(group_size) != group_size or group_size < minimum:
         raise ValueError(f"group_size must be an integer >= {minimum}, got {group_size}")
     return int(group_size)
@@ -296,7 +296,7 @@ def _check_weights(weights, pass_rates):
     return weights / weights.sum()
 
 
-def _check_pass_rates(pass_rates):
+def check_pass_rates(pass_rates):
     p = np.atleast_1d(np.asarray(pass_rates, dtype=np.float64))
     if p.ndim != 1:
         raise ValueError(f"pass_rates must be a scalar or 1-D, got shape {p.shape}")

@@ -48,12 +48,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_companion import gsm8k
-from grpo_companion.advantages import METHODS, SCALE_REWARDS, group_advantages
-from grpo_companion.losses import LOSS_TYPES, grpo_loss
-from grpo_companion.models import format_prompt
-from grpo_companion.rollouts import generate_rollouts, greedy_accuracy, sequence_log_probs
-from grpo_companion.sparsity import degenerate_fractions, zero_std_groups
+from grpo_companion.lm import gsm8k
+from grpo_companion.core.advantages import METHODS, SCALE_REWARDS, group_advantages
+from grpo_companion.core.losses import LOSS_TYPES, grpo_loss
+from grpo_companion.lm.models import format_prompt
+from grpo_companion.lm.rollouts import generate_rollouts, greedy_accuracy, sequence_log_probs
+from grpo_companion.core.advantages import degenerate_fractions, zero_std_groups
 
 # What every history record holds; None where a value was not measured at that step.
 METRICS = (

@@ -31,6 +31,7 @@ from pathlib import Path
 
 RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
 INJECTED_IF_DECLARED = ("build_dir",)  # injected by the pipeline into the chapters that declare it
+SHARED = "shared"  # profiles.toml: `[<profile>.shared]` holds values for every chapter declaring them
 
 
 class PipelineError(Exception):
@@ -125,7 +126,13 @@ def resolve_parameters(
     if profile not in profiles:
         raise PipelineError(f"unknown profile {profile!r}; valid profiles: {', '.join(profiles)}")
     defaults = chapter_parameters(project.source(chapter))
-    parameters = {**profiles[profile].get(chapter, {}), **(overrides or {})}
+    # A profile's `shared` table applies to every chapter that declares the parameter.
+    shared = {
+        name: value
+        for name, value in profiles[profile].get(SHARED, {}).items()
+        if name in defaults
+    }
+    parameters = {**shared, **profiles[profile].get(chapter, {}), **(overrides or {})}
     for name, value in parameters.items():
         if name in RESERVED + INJECTED_IF_DECLARED:
             raise PipelineError(
@@ -141,7 +148,12 @@ def resolve_parameters(
                 f"chapter {chapter}: parameter {name!r} must be {type(defaults[name]).__name__} "
                 f"like its default {defaults[name]!r}, got {type(value).__name__} {value!r}"
             )
-    return parameters
+    # A dict parameter (`grpo = {...}`, `tiny_llama = {...}`) is merged key by key into the
+    # chapter's default dict, so a profile lists only the settings it changes.
+    return {
+        name: {**defaults[name], **value} if isinstance(defaults[name], dict) else value
+        for name, value in parameters.items()
+    }
 
 
 def _failing_cell(notebook_path: Path) -> str:

@@ -49,13 +49,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from grpo_companion.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.rollouts import greedy_accuracy
+from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
+from grpo_companion.lm.rollouts import greedy_accuracy
 
 OFFLINE_MODELS = ("tiny-llama", "smollm2-135m")
 DEFAULT_GPU_MODEL = "nvidia/Nemotron-Mini-4B-Instruct"
 ALTERNATIVE_GPU_MODEL = "nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16"
-DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[1] / "_build" / "cache" / "models"
+DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[2] / "_build" / "cache" / "models"
 
 # What the chat models are told; the tiny Llama's template ignores it (it only knows one format).
 SYSTEM_PROMPT = "Solve the math problem step by step. End with the final answer as '#### <number>'."
@@ -74,6 +74,19 @@ def format_prompt(tokenizer, question: str) -> str:
     """
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def build_prompts(tokenizer, problems) -> tuple[list[str], list[str]]:
+    """Prompts and gold answers of a batch of problems, the one way every chapter builds them.
+
+    problems: rows with "question" and "answer" (a `datasets.Dataset` from `gsm8k.load_gsm8k`,
+    or a dict of two lists). Returns (prompts, golds), each of length len(problems): the
+    prompt is `format_prompt(tokenizer, question)`, the gold is `gsm8k.gold_answer(answer)`.
+    """
+    return (
+        [format_prompt(tokenizer, question) for question in problems["question"]],
+        [gold_answer(answer) for answer in problems["answer"]],
+    )
 
 
 def load_policy(

@@ -44,12 +44,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from grpo_companion import gsm8k
-from grpo_companion.policy_gradient import SequencePolicy
+from grpo_companion.lm import gsm8k
+from grpo_companion.core.policy_gradient import SequencePolicy
 
 # rollouts' sampler, with every logits processor off; shared so that a resampled continuation
 # comes from exactly the distribution the rollouts were drawn from.
-from grpo_companion.rollouts import (
+from grpo_companion.lm.rollouts import (
     Rollouts,
     cut_at_eos,
     sampling_config,

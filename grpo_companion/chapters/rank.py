@@ -82,6 +82,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from grpo_companion.core.stats import mean_interval
+
 # ---------------------------------------------------------------------------------------------
 # Which parameters
 
@@ -685,7 +687,7 @@ def group_rank_frame(
     """
     import pandas as pd
 
-    from grpo_companion.advantages import group_advantages
+    from grpo_companion.core.advantages import group_advantages
 
     num_prompts, num_samples = rewards.shape
     frames = []
@@ -721,20 +723,6 @@ def group_gradient_gram(gram: Tensor, advantages: Tensor, groups: Tensor) -> Ten
     return mixed_gram(gram, mixing)
 
 
-def mean_interval(values, confidence: float = 0.95) -> dict:
-    """{"n", "mean", "low", "high"}: the mean of `values` and its Student-t interval; low and
-    high are None for fewer than two values (no interval from one number)."""
-    import numpy as np
-    from scipy import stats
-
-    values = np.asarray(values, dtype=float)
-    n, mean = len(values), float(values.mean()) if len(values) else None
-    if n < 2:
-        return {"n": n, "mean": mean, "low": None, "high": None}
-    half = stats.t.ppf((1 + confidence) / 2, n - 1) * values.std(ddof=1) / np.sqrt(n)
-    return {"n": n, "mean": mean, "low": float(mean - half), "high": float(mean + half)}
-
-
 def summarise_ranks(frame, by: list[str], measures=RANK_MEASURES, confidence: float = 0.95):
     """Mean and t-interval of each measure over the mixed groups, per `by` (+ measure): a
     DataFrame with columns `by`, measure, n, mean, low, high. Degenerate groups (all rewards
@@ -758,7 +746,7 @@ def graded_reward(completion: str, gold: str) -> float:
     """A continuous reward in [0, 1]: 1 / (1 + |x - gold| / max(1, |gold|)) for the last number
     x of the completion (`gsm8k.extract_answer(..., "flexible")`), 0 if it has none. Exact
     answers get 1, and being close is worth more than being far."""
-    from grpo_companion.gsm8k import extract_answer
+    from grpo_companion.lm.gsm8k import extract_answer
 
     answer = extract_answer(completion, "flexible")
     if answer is None:
@@ -883,7 +871,7 @@ def group_gradient_ranks(gram: Tensor, rewards: Tensor, group_sizes: list[int],
     groups of a batch, for each R: `gram: (N, N)` over all rollouts (prompt-major, M per
     prompt), `rewards: (B, M)`. Each prompt's samples are split as in `group_rank_frame`;
     `num_groups` counts the groups with a nonzero gradient (mixed rewards)."""
-    from grpo_companion.advantages import group_advantages
+    from grpo_companion.core.advantages import group_advantages
 
     num_prompts, num_samples = rewards.shape
     rows = []

@@ -37,7 +37,7 @@ A fixed sampling budget
 A step samples N = B x G completions: B prompts, a group of G for each. Prompts differ in pass
 rate p. The model (`budget_moments`) is chapter 7's Bernoulli-logit prompt with one parameter
 shared by all prompts, a skill theta with p_x = sigmoid(theta - difficulty_x), plus reward-
-irrelevant score noise (`grpo_companion.exact`, "Score noise"). With m_x, v_x the mean and
+irrelevant score noise (`grpo_companion.core.exact`, "Score noise"). With m_x, v_x the mean and
 variance of one prompt's group estimate and t_x = p_x (1 - p_x) its true gradient, the batch
 estimate (1/B) sum_b g_b has
 
@@ -59,9 +59,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.exact import estimator_moments
-from grpo_companion.policy_gradient import SequencePolicy
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.exact import estimator_moments
+from grpo_companion.core.policy_gradient import SequencePolicy
 
 # -- the U-statistic on a sampled group -------------------------------------------------------
 
@@ -83,7 +83,7 @@ def u_statistic(scores: Tensor, rewards: Tensor) -> Tensor:
 def estimator_advantages(rewards: Tensor, method: str, value=None, **options) -> Tensor:
     """Advantages `(..., G)` of the chapter's estimators.
 
-    `method` in `grpo_companion.advantages.METHODS` goes to `group_advantages` with `options`;
+    `method` in `grpo_companion.core.advantages.METHODS` goes to `group_advantages` with `options`;
     "no_baseline" is A = r and "oracle" A = r - value, with `value` the true value J of the
     group's prompt (a number, or a tensor broadcastable to `(..., 1)`).
     """
@@ -164,7 +164,7 @@ def u_statistic_variance(zeta_1, zeta_2, group_size):
 
 
 def reward_geometry(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> dict[str, float]:
-    """What the moments of any binary-reward group estimator depend on (`grpo_companion.exact`).
+    """What the moments of any binary-reward group estimator depend on (`grpo_companion.core.exact`).
 
     Returns "pass_rate" p = J; "kappa" = ||u||^2 with u = grad p / (p (1 - p)); and
     "noise_correct", "noise_incorrect": tr Cov(s | r) for r = 1 and r = 0, divided by kappa
@@ -204,8 +204,8 @@ def sequence_policy_moments(
     groups): `estimator_moments` on the policy's `reward_geometry`, rescaled by kappa.
 
     Returns "weight" (E[g] = weight * grad J), "variance" (trace), "bias_sq"
-    (||E[g] - grad J||^2) and "mse". `method`: `grpo_companion.advantages.METHODS` or
-    `grpo_companion.exact.GROUP_FREE`.
+    (||E[g] - grad J||^2) and "mse". `method`: `grpo_companion.core.advantages.METHODS` or
+    `grpo_companion.core.exact.GROUP_FREE`.
     """
     geometry = reward_geometry(policy, logits, rewards)
     noise = (geometry["noise_correct"], geometry["noise_incorrect"])
@@ -230,7 +230,7 @@ def budget_moments(
     """Exact squared bias, variance and MSE of a batch estimate with B = budget / G prompts.
 
     The shared-skill model of the module docstring: prompt pass rates p = pass_rates[j] with
-    probability weights[j] (e.g. `grpo_companion.exact.beta_quadrature`), one group of G per
+    probability weights[j] (e.g. `grpo_companion.core.exact.beta_quadrature`), one group of G per
     prompt, the true gradient E_x[p_x (1 - p_x)]. `budget` N may be a number or an array; B
     need not be an integer (the formula for B prompts, at B = N / G).
 

@@ -30,11 +30,10 @@ import torch
 from scipy.optimize import brentq
 from torch import Tensor
 
-from grpo_companion.advantages import _check_rewards
-from grpo_companion.exact import _check_group_size, _check_pass_rates
-from grpo_companion.losses import grpo_loss
-from grpo_companion.rollouts import sequence_log_probs
-from grpo_companion.spectrum import mean_interval
+from grpo_companion.core.advantages import zero_std_groups
+from grpo_companion.core.exact import check_group_size, check_pass_rates
+from grpo_companion.core.losses import grpo_loss
+from grpo_companion.lm.rollouts import sequence_log_probs
 
 
 def iid_degenerate_rate(pass_rates, group_size):
@@ -43,8 +42,8 @@ def iid_degenerate_rate(pass_rates, group_size):
     Returns: dict of float64 arrays of shape (P,): all_correct, all_wrong and their sum,
     degenerate (= `exact.estimator_moments(...)["degenerate_rate"]`).
     """
-    p = _check_pass_rates(pass_rates)
-    group_size = _check_group_size(group_size, minimum=1)
+    p = check_pass_rates(pass_rates)
+    group_size = check_group_size(group_size, minimum=1)
     return _split(p**group_size, (1 - p) ** group_size)
 
 
@@ -71,7 +70,7 @@ def beta_degenerate_rate(a, b, group_size):
     """
     if not (a > 0 and b > 0):
         raise ValueError(f"Beta parameters must be > 0, got a={a}, b={b}")
-    j = np.arange(_check_group_size(group_size, minimum=1))
+    j = np.arange(check_group_size(group_size, minimum=1))
     return _split(float(np.prod((a + j) / (a + b + j))), float(np.prod((b + j) / (a + b + j))))
 
 
@@ -89,7 +88,7 @@ def iid_pass_rates_for(degenerate_rate, group_size):
     rate in [2^(1 - G), 1] has exactly one root there. Below that minimum no pass rate works,
     and heterogeneity only raises the rate (Jensen).
     """
-    group_size = _check_group_size(group_size)
+    group_size = check_group_size(group_size)
     floor = 2.0 ** (1 - group_size)
     if not floor <= degenerate_rate <= 1:
         raise ValueError(f"at G = {group_size} an i.i.d. degenerate rate lies in "
@@ -106,7 +105,7 @@ def beta_concentration_for(degenerate_rate, mean, group_size):
     The rate falls monotonically in kappa from 1 to f(mean) (module docstring), so a rate
     strictly between has one root, found in log kappa over [1e-12, 1e12].
     """
-    group_size = _check_group_size(group_size)
+    group_size = check_group_size(group_size)
     if not 0 < mean < 1:
         raise ValueError(f"mean pass rate must lie in (0, 1), got {mean}")
     iid = float(iid_degenerate_rate(mean, group_size)["degenerate"][0])
@@ -123,37 +122,6 @@ def beta_concentration_for(degenerate_rate, mean, group_size):
         raise ValueError(f"rate {degenerate_rate} is too close to the limits ({iid:.4g}, 1) "
                          f"to solve for kappa in [1e-12, 1e12]")
     return float(np.exp(brentq(excess, -bound, bound, xtol=1e-12)))
-
-
-def empirical_pass_rates(rewards: Tensor) -> Tensor:
-    """Per-prompt mean reward (num_prompts,): the pass rate estimate for binary rewards."""
-    _check_rewards(rewards)
-    return rewards.mean(dim=1)
-
-
-def zero_std_groups(rewards: Tensor, atol: float = 1e-8) -> Tensor:
-    """Bool (num_prompts,): within-group std <= atol, i.e. all advantages vanish.
-
-    TRL's definition: Bessel-corrected std and torch.isclose(std, 0) (atol = 1e-8); the mean
-    of this mask is its `frac_reward_zero_std`. Needs group_size >= 2.
-    """
-    _check_rewards(rewards)
-    if rewards.shape[1] < 2:
-        raise ValueError(f"a within-group std needs group_size >= 2, got rewards of shape "
-                         f"{tuple(rewards.shape)}")
-    return rewards.std(dim=1) <= atol
-
-
-def degenerate_fractions(rewards: Tensor, atol: float = 1e-8) -> dict:
-    """Fractions of groups all correct (all rewards 1), all wrong (all 0), and degenerate.
-
-    degenerate is the zero-std fraction (`zero_std_groups`), which also counts constant
-    groups at other reward values; for binary rewards it is all_correct + all_wrong.
-    """
-    degenerate = zero_std_groups(rewards, atol)
-    return {"all_correct": (rewards == 1).all(dim=1).double().mean().item(),
-            "all_wrong": (rewards == 0).all(dim=1).double().mean().item(),
-            "degenerate": degenerate.double().mean().item()}
 
 
 def zero_advantage_fractions(advantages: Tensor, completion_mask: Tensor,
@@ -260,47 +228,3 @@ def per_group_gradients(model, input_ids: Tensor, attention_mask: Tensor,
     return torch.stack(rows)
 
 
-def metric_by_step(histories: list[list[dict]], metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """The steps at which every run measured `metric`, and its values (num_runs, num_steps).
-
-    histories: one `trainer.train` history per run (a list of dicts with "step"); the runs
-    must have measured the metric at the same steps (the same eval_every and max_steps).
-    """
-    steps = [[record["step"] for record in history if record[metric] is not None]
-             for history in histories]
-    if not steps or any(run != steps[0] for run in steps) or not steps[0]:
-        raise ValueError(f"the runs measured {metric!r} at different steps (or never): {steps}")
-    values = [[record[metric] for record in history if record[metric] is not None]
-              for history in histories]
-    return np.array(steps[0]), np.array(values, dtype=np.float64)
-
-
-def seed_band(values, confidence: float = 0.95) -> dict:
-    """Mean over runs and its Student-t interval, per column of values (num_runs, num_steps).
-
-    Returns: dict of float arrays (num_steps,): mean, low, high (`spectrum.mean_interval` on
-    each column: the runs are independent seeds, the steps of one run are not).
-    """
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim != 2 or values.shape[0] < 2:
-        raise ValueError(f"need values (num_runs >= 2, num_steps), got shape {values.shape}")
-    columns = [mean_interval(column, confidence) for column in values.T]
-    return {key: np.array([column[key] for column in columns]) for key in ("mean", "low", "high")}
-
-
-def fitted_trend(steps, values, confidence: float = 0.95) -> dict:
-    """Least-squares slope of each run's values against steps, and their mean's t-interval.
-
-    values (num_runs, num_steps). The interval treats runs, not steps, as the independent
-    units: the steps of one run share a policy, so their residuals are correlated and a
-    pooled regression's interval would be too narrow. Returns: slopes (num_runs,) and the
-    mean, low, high of the slope (per step), as floats.
-    """
-    steps, values = np.asarray(steps, dtype=np.float64), np.asarray(values, dtype=np.float64)
-    if values.ndim != 2 or values.shape[1] != steps.size or steps.size < 2:
-        raise ValueError(f"need values (num_runs, num_steps = {steps.size} >= 2), "
-                         f"got shape {values.shape}")
-    centred = steps - steps.mean()
-    slopes = (values - values.mean(axis=1, keepdims=True)) @ centred / (centred @ centred)
-    return {"slopes": slopes, **{key: value for key, value in
-                                 mean_interval(slopes, confidence).items() if key != "n"}}

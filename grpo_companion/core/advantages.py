@@ -122,3 +122,34 @@ def _check_rewards(rewards: Tensor) -> None:
         raise ValueError(f"rewards must be floating point, got dtype {rewards.dtype}")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards must be finite, got NaN or infinite values")
+
+
+def empirical_pass_rates(rewards: Tensor) -> Tensor:
+    """Per-prompt mean reward (num_prompts,): the pass rate estimate for binary rewards."""
+    _check_rewards(rewards)
+    return rewards.mean(dim=1)
+
+
+def zero_std_groups(rewards: Tensor, atol: float = 1e-8) -> Tensor:
+    """Bool (num_prompts,): within-group std <= atol, i.e. all advantages vanish.
+
+    TRL's definition: Bessel-corrected std and torch.isclose(std, 0) (atol = 1e-8); the mean
+    of this mask is its `frac_reward_zero_std`. Needs group_size >= 2.
+    """
+    _check_rewards(rewards)
+    if rewards.shape[1] < 2:
+        raise ValueError(f"a within-group std needs group_size >= 2, got rewards of shape "
+                         f"{tuple(rewards.shape)}")
+    return rewards.std(dim=1) <= atol
+
+
+def degenerate_fractions(rewards: Tensor, atol: float = 1e-8) -> dict:
+    """Fractions of groups all correct (all rewards 1), all wrong (all 0), and degenerate.
+
+    degenerate is the zero-std fraction (`zero_std_groups`), which also counts constant
+    groups at other reward values; for binary rewards it is all_correct + all_wrong.
+    """
+    degenerate = zero_std_groups(rewards, atol)
+    return {"all_correct": (rewards == 1).all(dim=1).double().mean().item(),
+            "all_wrong": (rewards == 0).all(dim=1).double().mean().item(),
+            "degenerate": degenerate.double().mean().item()}

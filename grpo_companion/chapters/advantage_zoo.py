@@ -2,7 +2,7 @@ r"""Chapter 7: the length weighting f_alpha(L) = L^(alpha - 1), on a toy with tw
 
 The trade-off
 -------------
-`grpo_companion.losses.aggregate` with ``loss_type="length_alpha"`` weights completion i's token
+`grpo_companion.core.losses.aggregate` with ``loss_type="length_alpha"`` weights completion i's token
 sum by f_alpha(L_i), so at ratio 1 one completion adds f_alpha(L_i) A_i s(y_i) to the update,
 s = grad log pi(y) = the sum of its L tokens' scores. Two properties one would like:
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from scipy.stats import binom
 
-from grpo_companion.losses import length_weights
+from grpo_companion.core.losses import length_weights
 
 
 @dataclass(frozen=True)

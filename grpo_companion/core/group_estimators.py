@@ -4,7 +4,7 @@ Group estimators
 ----------------
 For one prompt GRPO samples a group of G completions y_1..y_G i.i.d. from pi (TRL:
 ``num_generations``), turns their rewards into advantages A_1..A_G
-(`grpo_companion.advantages.group_advantages`) and, at the first step on a batch (ratio 1, no
+(`grpo_companion.core.advantages.group_advantages`) and, at the first step on a batch (ratio 1, no
 KL term), follows
 
     g = (1/G) sum_i A_i s(y_i),        s = grad log pi.
@@ -28,14 +28,14 @@ N^G = 16.8 million ordered groups.
 KL estimators
 -------------
 With x_t = log pi(y_t | y_<t) - log pi_ref(y_t | y_<t) on a sequence y ~ pi, the per-token
-estimators of `grpo_companion.losses.kl_penalty` summed over the tokens estimate the sequence
+estimators of `grpo_companion.core.losses.kl_penalty` summed over the tokens estimate the sequence
 KL(pi || pi_ref) = E_pi[sum_t x_t]. k1 and k3 are unbiased for it (k3 adds pi_ref/pi - 1 at each
 token, whose mean given the prefix is sum_a pi_ref(a | prefix) - 1 = 0); k2 = x^2 / 2 is not.
 `kl_estimator_moments` gives the exact mean and variance of each by enumeration.
 
 Token weights and inner iterations
 ----------------------------------
-`token_weights` is d loss / d l_it for `grpo_companion.losses.aggregate`: how much each token's
+`token_weights` is d loss / d l_it for `grpo_companion.core.losses.aggregate`: how much each token's
 loss counts under a ``loss_type``. `optimize_on_batch` takes several gradient steps on one batch
 (TRL's ``num_iterations``), where the ratio pi / pi_old leaves 1 and clipping starts to act.
 """
@@ -46,9 +46,9 @@ import math
 import torch
 from torch import Tensor
 
-from grpo_companion.advantages import group_advantages
-from grpo_companion.losses import KL_ESTIMATORS, aggregate, grpo_loss, kl_penalty
-from grpo_companion.policy_gradient import SequencePolicy
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.losses import KL_ESTIMATORS, aggregate, grpo_loss, kl_penalty
+from grpo_companion.core.policy_gradient import SequencePolicy
 
 
 def multisets(

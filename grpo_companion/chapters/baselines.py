@@ -52,7 +52,7 @@ exactly here; an algorithm would have to estimate them.
 import torch
 from torch import Tensor
 
-from grpo_companion.policy_gradient import SequencePolicy, estimator_variance, optimal_baseline
+from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, optimal_baseline
 
 
 def squared_score_norms(policy: SequencePolicy, logits: Tensor) -> Tensor:

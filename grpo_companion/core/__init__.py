@@ -1,0 +1,1 @@
+"""The math every chapter shares: pure functions on tensors, no language model."""

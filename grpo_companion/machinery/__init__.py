@@ -1,0 +1,1 @@
+"""The book machinery: papermill pipeline, chapter report, claims engine, Sphinx extension, CLI."""
