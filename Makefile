@@ -10,6 +10,8 @@ book: setup
 	$(PYTHON) -m grpo_companion book --profile $(PROFILE)
 
 test: setup browser
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PYTHON) -m pytest
 
 setup: $(VENV)/.installed node_modules/.installed

@@ -8,7 +8,8 @@ read from `_build/cache/models/`) on the generated arithmetic problems
 (`gsm8k.load_gsm8k("train", source="arithmetic")`) with the binary reward `gsm8k.reward`, and
 the settings of chapter 9: 16 prompts x num_generations = 8 = 128 completions a step,
 max_completion_length 48, temperature 1, beta 0.04, epsilon 0.2, loss_type "grpo", learning
-rate 1e-5, num_iterations 1 (one AdamW update per batch of rollouts), max_grad_norm 1, float32.
+rate 1e-5, num_iterations 1 (one AdamW update per batch of rollouts), max_grad_norm 1, float32,
+use_bias_correction_kl True (TRL's default; one multiplication more per token).
 Step k of each side answers the same 16 prompts (TRL's dataset is not shuffled; ours is
 handed those 16), with its own random completions.
 
@@ -70,18 +71,21 @@ from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
-from grpo_companion.lm.models import TinyLlamaSpec, format_prompt, load_tiny_llama
+from grpo_companion.lm.models import TinyLlamaSpec, build_prompts, load_tiny_llama
 from grpo_companion.lm.trainer import GRPOConfig, grpo_step
 
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.
-SMOKE_SPEC = {"train_steps": 30, "warmup_steps": 5, "num_train_examples": 500, "num_eval_examples": 8}
+SMOKE_SPEC = {
+    "train_steps": 30, "warmup_steps": 5, "num_train_examples": 500, "num_eval_examples": 8
+}
 CONFIG = GRPOConfig(
     num_generations=8,
     per_step_prompts=16,
     max_completion_length=48,
     temperature=1.0,
     beta=0.04,
+    use_bias_correction_kl=True,  # TRL 1.16's default (the book's trainer defaults to False)
     epsilon=0.2,
     loss_type="grpo",
     learning_rate=1e-5,
@@ -103,6 +107,7 @@ def trl_config(config: GRPOConfig, output_dir: str, steps: int) -> "trl.GRPOConf
         top_p=1.0,
         top_k=0,
         beta=config.beta,
+        use_bias_correction_kl=config.use_bias_correction_kl,
         epsilon=config.epsilon,
         loss_type=config.loss_type,
         scale_rewards=config.scale_rewards,
@@ -182,8 +187,7 @@ def main():
     reference = copy.deepcopy(model).requires_grad_(False) if config.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
-    prompts = [format_prompt(tokenizer, question) for question in data["question"]]
-    golds = [gsm8k.gold_answer(answer) for answer in data["answer"]]
+    prompts, golds = build_prompts(tokenizer, data)
 
     def ours(step: int) -> dict:
         """Our step `step` on the 16 prompts TRL's step `step` answered."""
@@ -209,7 +213,8 @@ def main():
 
     parameters = sum(p.numel() for p in model.parameters())
     print(f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size} ({parameters / 1e6:.1f}M "
-          f"parameters, at most {spec.train_steps} warm-start steps), {config.per_step_prompts} prompts x "
+          f"parameters, at most {spec.train_steps} warm-start steps), "
+          f"{config.per_step_prompts} prompts x "
           f"G = {config.num_generations}, max_completion_length {config.max_completion_length}, "
           f"beta {config.beta}, torch threads {args.threads}, TRL {trl.__version__}")
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}; "
@@ -235,9 +240,7 @@ def main():
 
 
 def _length_stats(side: str, log: dict) -> tuple[float, float]:
-    """(mean, max) completion length of a step's log."""
-    if side == "ours":
-        return log["completion_length_mean"], log["completion_length_max"]
+    """(mean, max) completion length of a step's log (our records use TRL's names)."""
     return log["completions/mean_length"], log["completions/max_length"]
 
 

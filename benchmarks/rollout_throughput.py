@@ -39,7 +39,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k, rollouts
-from grpo_companion.lm.models import TinyLlamaSpec, format_prompt, load_tiny_llama
+from grpo_companion.lm.models import TinyLlamaSpec, build_prompts, load_tiny_llama
 
 NUM_PROMPTS, NUM_GENERATIONS, MAX_COMPLETION_LENGTH, TEMPERATURE, SEED = 16, 8, 48, 1.0, 0
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.
@@ -119,8 +119,7 @@ def main():
     spec = TinyLlamaSpec(**(SMOKE_SPEC if args.smoke_model else {}))
     model, tokenizer = load_tiny_llama(spec, progress=False)
     data = gsm8k.load_gsm8k("train", source="arithmetic", num_examples=NUM_PROMPTS, seed=0)
-    prompts = [format_prompt(tokenizer, question) for question in data["question"]]
-    golds = [gsm8k.gold_answer(answer) for answer in data["answer"]]
+    prompts, golds = build_prompts(tokenizer, data)
 
     sides = ("generate", "ours", "ours, no lp")
     times, parts = defaultdict(list), defaultdict(list)

@@ -52,12 +52,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from grpo_companion.chapters.rank import (
-    completion_log_probs,
-    gram_singular_values,
-    score_grams,
-    score_rows,
-)
+from grpo_companion.core.spectra import gram_singular_values
+from grpo_companion.lm.gradients import causal_attention_mask, score_grams, score_rows
+from grpo_companion.lm.rollouts import sequence_log_probs
 
 MEMORY_TARGET = 0.1  # streaming / materialised peak memory
 PATHS = ("step", "streaming", "materialised")
@@ -133,6 +130,15 @@ class Meter:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # resets VmHWM to the current RSS
         self.cpu, self.wall = time.process_time(), time.perf_counter()
+
+
+def completion_log_probs(model, input_ids, attention_mask, completion_mask):
+    """log pi(y_i | x_i) `(N,)`, with the causal mask `score_grams` and `score_rows` use."""
+    causal_mask = causal_attention_mask(attention_mask, model.dtype)
+    log_probs = sequence_log_probs(
+        model, input_ids, attention_mask, completion_mask, causal_mask=causal_mask
+    )
+    return log_probs.sum(dim=1)
 
 
 def measure(path, model, batch):

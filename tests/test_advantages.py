@@ -195,8 +195,16 @@ def test_sign_threshold_and_single_completion_groups():
             r"unknown scale_rewards 'global'.*'group'.*'batch'.*'none'",
         ),
         (torch.tensor([[1.0, 0.5]]), {"method": "sign"}, r"binary rewards.*threshold"),
-        (torch.tensor([[1.0, 0.0]]), {"method": "softmax", "temperature": 0.0}, r"temperature must be > 0"),
-        (torch.tensor([[1.0, 0.0]]), {"method": "softmax", "temperature": -1.0}, r"temperature must be > 0"),
+        (
+            torch.tensor([[1.0, 0.0]]),
+            {"method": "softmax", "temperature": 0.0},
+            r"temperature must be > 0",
+        ),
+        (
+            torch.tensor([[1.0, 0.0]]),
+            {"method": "softmax", "temperature": -1.0},
+            r"temperature must be > 0",
+        ),
     ],
 )
 def test_errors(rewards, kwargs, match):
@@ -208,3 +216,105 @@ def test_errors(rewards, kwargs, match):
 def test_group_size_one_is_rejected_for_baseline_methods(method):
     with pytest.raises(ValueError, match=rf"method '{method}' needs group_size >= 2.*\(3, 1\)"):
         group_advantages(torch.ones(3, 1), method)
+
+
+# --- verl's estimators -------------------------------------------------------------
+
+
+def test_verl_group_methods_hand_computed():
+    from grpo_companion.core.advantages import BATCH_METHODS
+
+    assert set(BATCH_METHODS) <= set(METHODS)
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    # pass@k: only a unique best completion gets r_max - r_second, here over std 0.5 + 1e-4
+    passk = torch.zeros_like(rewards)
+    passk[1, 2] = 1 / (0.5 + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, "grpo_passk"), passk, rtol=0, atol=1e-12)
+    passk[1, 2] = 1.0
+    torch.testing.assert_close(
+        group_advantages(rewards, "grpo_passk", scale_rewards="none"), passk, rtol=0, atol=1e-12
+    )
+    # centred rewards (+-0.5 | -0.25 x3, 0.75) have mean 0 and Bessel variance 1.75 / 7 = 0.25
+    whitened = torch.tensor([[1.0, -1.0, -1.0, 1.0], [-0.5, -0.5, 1.5, -0.5]], dtype=torch.float64)
+    torch.testing.assert_close(
+        group_advantages(rewards, "reinforce_plus_plus_baseline"),
+        whitened / (1 + 4e-8) ** 0.5, rtol=0, atol=1e-12,
+    )  # fmt: skip
+    # GPG (verl): alpha = 8 rewards / 3 nonzero
+    gpg = 8 / 3 * (rewards - rewards.mean(dim=1, keepdim=True))
+    torch.testing.assert_close(group_advantages(rewards, "gpg"), gpg, rtol=0, atol=1e-12)
+
+
+def test_passk_ties_at_the_top_give_nothing():
+    rewards = torch.tensor([[1.0, 1.0, 0.0], [0.5, 0.2, 0.2]], dtype=torch.float64)
+    advantages = group_advantages(rewards, "grpo_passk", scale_rewards="none")
+    expected = torch.tensor([[0.0, 0.0, 0.0], [0.3, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="grpo_passk"):
+        group_advantages(rewards, "grpo_passk", scale_rewards="batch")
+
+
+def test_opo_and_remax_hand_computed():
+    from grpo_companion.core.advantages import opo_advantages, remax_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64)
+    lengths = torch.tensor([[10, 30, 20]])
+    # baseline (10 + 20) / 60 = 0.5
+    torch.testing.assert_close(
+        opo_advantages(rewards, lengths), torch.tensor([[0.5, -0.5, 0.5]], dtype=torch.float64)
+    )
+    equal = torch.full_like(lengths, 7)
+    torch.testing.assert_close(opo_advantages(rewards, equal), group_advantages(rewards, "dr_grpo"))
+    greedy = torch.tensor([1.0], dtype=torch.float64)
+    torch.testing.assert_close(
+        remax_advantages(rewards, greedy), torch.tensor([[0.0, -1.0, 0.0]], dtype=torch.float64)
+    )
+    with pytest.raises(ValueError, match="lengths"):
+        opo_advantages(rewards, torch.tensor([[1, 0, 2]]))
+
+
+def test_reinforce_plus_plus_returns_and_whitening():
+    from grpo_companion.core.advantages import reinforce_plus_plus_advantages
+
+    token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    advantages, returns = reinforce_plus_plus_advantages(token_rewards, mask, gamma=0.5)
+    expected_returns = torch.tensor(
+        [[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(returns, expected_returns)
+    valid = torch.tensor([0.25, 0.5, 1.0, 1.0, 2.0], dtype=torch.float64)
+    whitened = (valid - valid.mean()) / (valid.var() + 1e-8).sqrt()
+    torch.testing.assert_close(advantages[mask.bool()], whitened, rtol=0, atol=1e-7)
+    assert advantages[~mask.bool()].abs().max() == 0
+
+
+def test_optimal_token_baseline_hand_computed():
+    from grpo_companion.core.advantages import optimal_token_baseline_advantages
+
+    # one group of two completions of 2 tokens, outcome reward on the last token
+    token_rewards = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]], dtype=torch.float64)
+    mask = torch.ones_like(token_rewards)
+    probs = torch.tensor([[[0.5, 0.5], [0.25, 0.5]]], dtype=torch.float64)
+    sum_sq = torch.full_like(probs, 0.5)
+    # per-token weights 1 - 2 pi + 0.5: [0.5, 0.5] and [1.0, 0.5]; cumulative [0.5, 1] and [1, 1.5]
+    # returns [1, 1] and [0, 0]: B_1 = 0.5 / 1.5, B_2 = 1 / 2.5
+    advantages, returns = optimal_token_baseline_advantages(token_rewards, mask, probs, sum_sq)
+    baseline = torch.tensor([1 / 3, 0.4], dtype=torch.float64)
+    torch.testing.assert_close(returns[0, 0], torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(advantages[0, 0], 1 - baseline, rtol=0, atol=1e-7)
+    torch.testing.assert_close(advantages[0, 1], -baseline, rtol=0, atol=1e-7)
+
+
+def test_kl_in_reward_subtracts_before_the_baseline():
+    from grpo_companion.core.advantages import kl_in_reward
+
+    rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    kl = torch.tensor([[0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    shaped = kl_in_reward(rewards, kl, beta=0.2)
+    torch.testing.assert_close(shaped, torch.tensor([[0.9, 0.2]], dtype=torch.float64))
+    assert not shaped.requires_grad  # it enters through the score function only
+    # baselined like the reward: Dr. GRPO's advantages are +-0.35
+    torch.testing.assert_close(
+        group_advantages(shaped, "dr_grpo"), torch.tensor([[0.35, -0.35]], dtype=torch.float64)
+    )

@@ -1,4 +1,4 @@
-"""Chapter 6's baseline identities against brute force and exact enumeration.
+"""Chapter 8's baseline identities against brute force and exact enumeration.
 
 Monte Carlo tolerance (one test): 400k groups with a fixed seed; the bound is several standard
 errors of the sample variance and was checked not to sit near it.
@@ -8,15 +8,21 @@ import pytest
 import torch
 
 from grpo_companion.chapters.baselines import (
+    baseline_cases,
     baseline_gap,
+    gap_table,
+    group_variance_table,
     group_variances,
     optimal_token_baselines,
     rank_reward,
     squared_score_norms,
+    token_baseline_candidates,
+    token_baseline_comparison,
     token_baseline_moments,
     token_score_norms,
     uncorrelated_reward,
     value_baselines,
+    variance_curve,
 )
 from grpo_companion.core.group_estimators import group_estimator_moments, sample_group_estimates
 from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
@@ -187,3 +193,232 @@ def test_token_baselines_that_see_the_token_are_refused(setup):
     cheating = rewards[:, None].repeat(1, 3)  # b_t = r: zero "variance", but biased
     with pytest.raises(ValueError, match="prefix"):
         token_baseline_moments(policy, logits, rewards, cheating)
+
+
+# -- the chapter's comparisons ----------------------------------------------------------------
+
+
+def test_baseline_cases_are_the_six_settings(setup):
+    policy, logits, rewards = setup
+    peaked = policy.init_logits(seed=1, scale=3.0)
+    cases = baseline_cases(policy, logits, peaked, 9)
+    assert list(cases) == ["uniform", "chapter1", "uncorrelated", "peaked", "rare", "likely"]
+    assert not cases["uniform"][1].any()
+    assert cases["peaked"][1] is peaked and cases["chapter1"][2].equal(rewards)
+    assert cases["rare"][2].sum() == 9 and cases["likely"][2].sum() == 9
+    probs = policy.probs(logits)
+    # the rare sequences are all less likely than the likely ones
+    assert probs[cases["rare"][2] == 1].max() < probs[cases["likely"][2] == 1].min()
+    gap = baseline_gap(policy, logits, cases["uncorrelated"][2])
+    assert abs(gap["covariance"]) < 1e-12
+
+
+def test_gap_table_holds_the_identity(setup):
+    policy, logits, _ = setup
+    cases = baseline_cases(policy, logits, policy.init_logits(seed=2, scale=3.0), 5)
+    gaps = {key: baseline_gap(policy, lg, reward) for key, (_, lg, reward) in cases.items()}
+    table = gap_table(gaps, cases)
+    assert list(table.index) == [label for label, _, _ in cases.values()]
+    assert (table["gap"] - table["Cov / E||s||^2"]).abs().max() < 1e-12
+    assert table.loc["rare answers rewarded", "gap"] == gaps["rare"]["gap"]
+
+
+def test_variance_curve_is_the_parabola_with_vertex_b_star(setup):
+    policy, logits, rewards = setup
+    gap = baseline_gap(policy, logits, rewards)
+    baselines, variance = variance_curve(policy, logits, rewards, gap, 5)
+    half_width = max(3 * abs(gap["gap"]), 0.1)
+    assert baselines[0].item() == pytest.approx(gap["optimal_baseline"] - half_width)
+    assert variance[2].item() == pytest.approx(1.0, rel=1e-12)  # the middle point is b*
+    # Var[g_b] = Var[g_b*] + E||s||^2 (b - b*)^2
+    expected = (
+        1
+        + gap["mean_squared_norm"]
+        * (baselines - gap["optimal_baseline"]) ** 2
+        / gap["variance_at_optimal"]
+    )
+    torch.testing.assert_close(variance, expected, rtol=1e-10, atol=0)
+
+
+def test_group_variance_table_replays_the_sampler(setup):
+    policy, logits, rewards = setup
+    groups = group_variance_table(
+        policy, logits, rewards, [2, 5], 500, torch.Generator().manual_seed(4)
+    )
+    generator = torch.Generator().manual_seed(4)
+    for size in (2, 5):
+        estimates = sample_group_estimates(policy, logits, rewards, size, 500, generator, "rloo")
+        assert groups.loc[size, "rloo, Monte Carlo"] == float(estimates.var(dim=0).sum())
+        closed = group_variances(policy, logits, rewards, size)
+        assert groups.loc[size, "rloo / oracle E[r]"] == closed["rloo"] / closed["oracle_mean"]
+        assert groups.loc[size, "mean-self MSE / rloo"] == pytest.approx(
+            (1 - 1 / size) ** 2
+            + float(policy.exact_gradient(logits, rewards).square().sum())
+            / size**2
+            / closed["rloo"]
+        )
+
+
+def test_token_baseline_comparison(setup):
+    policy, logits, rewards = setup
+    candidates = token_baseline_candidates(policy, logits, rewards)
+    mean_reward = float(policy.objective(logits, rewards))
+    assert (candidates["constant E[r]"] == mean_reward).all()
+    assert (candidates["none"] == 0).all()
+    policies = {"a": ("policy a", logits), "b": ("policy b", policy.init_logits(seed=5))}
+    per_token, unbiased_error, last_token_gaps = token_baseline_comparison(
+        policy, policies, rewards
+    )
+    assert list(per_token.columns) == ["policy a", "policy b"]
+    assert (per_token.loc["constant E[r]"] == 1.0).all()
+    assert unbiased_error < 1e-12
+    # the per-token optimum beats the constant optimum it generalises
+    assert (per_token.loc["per-token optimal b*_t(y_<t)"] <= per_token.loc["constant b*"]).all()
+    gap = (
+        candidates["per-token optimal b*_t(y_<t)"][:, -1]
+        - candidates["per-token value V(y_<t)"][:, -1]
+    )
+    assert last_token_gaps["a"] == pytest.approx(float(policy.probs(logits) @ gap.abs()))
+    direct = token_baseline_moments(policy, logits, rewards, candidates["constant b*"])
+    reference = token_baseline_moments(policy, logits, rewards, candidates["constant E[r]"])
+    assert per_token.loc["constant b*", "policy a"] == pytest.approx(
+        float(direct["variance"] / reference["variance"]), rel=1e-12
+    )
+
+
+def test_figures_draw_every_case_and_curve(setup):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from grpo_companion.chapters.baselines_plots import (
+        GROUP_CURVES,
+        plot_group_estimator_variance,
+        plot_variance_vs_baseline,
+    )
+
+    policy, logits, rewards = setup
+    cases = baseline_cases(policy, logits, policy.init_logits(seed=2, scale=3.0), 5)
+    gaps = {key: baseline_gap(policy, lg, reward) for key, (_, lg, reward) in cases.items()}
+    curves = {
+        key: variance_curve(policy, lg, r, gaps[key], 11) for key, (_, lg, r) in cases.items()
+    }
+    labels = {key: label for key, (label, _, _) in cases.items()}
+    fig = plot_variance_vs_baseline(curves, gaps, labels)
+    assert [ax.get_title() for ax in fig.axes] == list(labels.values())
+    groups = group_variance_table(policy, logits, rewards, [2, 4], 50, torch.Generator())
+    fig = plot_group_estimator_variance(groups)
+    assert len(fig.axes[0].lines) == len(GROUP_CURVES) + 1
+
+
+# --- verl's baselines and the KL placement ------------------------------------------------
+
+
+def test_greedy_sequence_follows_the_argmax_token_by_token():
+    from grpo_companion.chapters.baselines import greedy_sequence
+
+    policy = SequencePolicy(vocab_size=3, length=2)
+    logits = torch.zeros(policy.logits_shape, dtype=F64)
+    logits[0, 3, 2] = 1.0  # from BOS, token 2
+    logits[1, 2, 1] = 1.0  # after 2, token 1
+    logits[1, 0, 0] = 5.0  # a likelier continuation of a prefix greedy never visits
+    assert greedy_sequence(policy, logits) == 2 * 3 + 1
+
+
+def test_otb_is_unbiased_and_ends_at_b_star():
+    from grpo_companion.chapters.baselines import otb_baselines
+    from grpo_companion.core.policy_gradient import optimal_baseline
+
+    policy = SequencePolicy(vocab_size=3, length=3)
+    logits = policy.init_logits(1, scale=1.5)
+    rewards = sum_mod_reward(policy.all_sequences(), 3)
+    baselines = otb_baselines(policy, logits, rewards)
+    assert baselines[:, -1].sub(optimal_baseline(policy, logits, rewards)).abs().max() < 1e-12
+    assert (baselines - baselines[:1]).abs().max() == 0  # one baseline per position
+    moments = token_baseline_moments(policy, logits, rewards, baselines)
+    assert (moments["mean"] - policy.exact_gradient(logits, rewards)).abs().max() < 1e-12
+
+
+def test_verl_baseline_table_matches_the_parabola_and_the_closed_form():
+    from grpo_companion.chapters.baselines import greedy_sequence, verl_baseline_table
+
+    policy = SequencePolicy(vocab_size=3, length=3)
+    logits = policy.init_logits(2, scale=1.5)
+    rewards = sum_mod_reward(policy.all_sequences(), 3)
+    table, greedy = verl_baseline_table(policy, {"a": ("A", logits)}, rewards, [2, 8])
+    assert greedy["a"] == rewards[greedy_sequence(policy, logits)].item()
+    mean_reward = float(policy.objective(logits, rewards))
+    expected = estimator_variance(policy, logits, rewards, greedy["a"]) / estimator_variance(
+        policy, logits, rewards, mean_reward
+    )
+    assert table.loc["ReMax: r(greedy)", "A"] == pytest.approx(float(expected), rel=1e-12)
+    variances = group_variances(policy, logits, rewards, 8)
+    ratio = variances["rloo"] / variances["oracle_mean"]
+    assert table.loc["RLOO, G = 8", "A"] == pytest.approx(ratio, rel=1e-12)
+    assert table.loc["constant b*", "A"] <= 1.0
+
+
+def _per_token_reverse_kl_gradient(policy, logits, ref_logits):
+    """grad of sum_t E_{y<t ~ pi (held fixed)} KL(pi_ref(. | y_{t-1}) || pi(. | y_{t-1}))."""
+    sequences = policy.all_sequences()
+    probs = policy.probs(logits).detach()
+    contexts = torch.cat(
+        [torch.full_like(sequences[:, :1], policy.vocab_size), sequences[:, :-1]], 1
+    )
+    steps = torch.arange(policy.length)
+    theta = logits.detach().requires_grad_(True)
+    log_pi = torch.log_softmax(theta, -1)[steps, contexts]  # (n, L, V)
+    log_ref = torch.log_softmax(ref_logits, -1)[steps, contexts]
+    kl = (log_ref.exp() * (log_ref - log_pi)).sum(dim=(1, 2))
+    (gradient,) = torch.autograd.grad(probs @ kl, theta)
+    return gradient.flatten()
+
+
+def test_kl_placement_identities():
+    from grpo_companion.chapters.baselines import kl_gradients, kl_placement
+
+    policy = SequencePolicy(vocab_size=3, length=3)
+    logits, ref_logits = policy.init_logits(0, scale=2.0), policy.init_logits(0, scale=1.0)
+    rewards = sum_mod_reward(policy.all_sequences(), 3)
+    result = kl_placement(policy, logits, ref_logits, rewards, beta=0.3)
+    probs = policy.probs(logits)
+    log_ratio = policy.log_prob(logits, policy.all_sequences()) - policy.log_prob(
+        ref_logits, policy.all_sequences()
+    )
+    assert result["divergence"] == pytest.approx(float(probs @ log_ratio), rel=1e-12)
+    assert result["reward_error"] < 1e-12
+    assert result["loss_k1_norm"] < 1e-12
+    assert 0 < result["loss_k3_cosine"] < 1 - 1e-3  # not the sequence-level KL's gradient
+    expected_k3 = probs @ kl_gradients(policy, logits, ref_logits, "k3")
+    reverse = _per_token_reverse_kl_gradient(policy, logits, ref_logits)
+    assert (expected_k3 - reverse).abs().max() < 1e-12
+    same = kl_placement(policy, logits, logits, rewards, beta=0.3)
+    assert same["divergence"] == pytest.approx(0.0, abs=1e-12)
+    assert same["reward_variance"] == pytest.approx(1.0, rel=1e-12)
+    assert same["loss_k3_variance"] == pytest.approx(1.0, rel=1e-12)
+
+
+def test_kl_in_reward_with_rloo_groups_is_unbiased_for_the_regularised_objective():
+    """Every group of G = 2 enumerated: the RLOO update on r - beta k1 has mean
+    grad J - beta grad KL, the group-mean update (1 - 1/G) times it."""
+    from grpo_companion.core.advantages import group_advantages, kl_in_reward
+
+    policy = SequencePolicy(vocab_size=2, length=2)
+    logits, ref_logits = policy.init_logits(3, scale=1.5), policy.init_logits(4, scale=1.0)
+    sequences = policy.all_sequences()
+    rewards = sum_mod_reward(sequences, 2)
+    k1 = (policy.log_prob(logits, sequences) - policy.log_prob(ref_logits, sequences)).detach()
+    probs, scores = policy.probs(logits).detach(), policy.scores(logits, sequences)
+    beta, n = 0.5, policy.num_sequences
+    first, second = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    pairs = torch.stack([first.flatten(), second.flatten()], dim=1)  # (n^2, 2)
+    shaped = kl_in_reward(rewards[pairs], k1[pairs], beta)
+    weights = probs[pairs].prod(dim=1)
+    theta = logits.detach().requires_grad_(True)
+    ref_log_probs = policy.log_prob(ref_logits, sequences).detach()
+    kl = policy.probs(theta) @ (policy.log_prob(theta, sequences) - ref_log_probs)
+    (grad_kl,) = torch.autograd.grad(kl, theta)
+    target = policy.exact_gradient(logits, rewards) - beta * grad_kl.flatten()
+    for method, factor in [("rloo", 1.0), ("dr_grpo", 0.5)]:
+        advantages = group_advantages(shaped, method)
+        updates = (advantages[..., None] * scores[pairs]).mean(dim=1)
+        assert (weights @ updates - factor * target).abs().max() < 1e-12

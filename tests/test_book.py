@@ -57,6 +57,18 @@ def test_toc_lists_every_chapter():
     assert [
         chapter for chapter in Project(ROOT).chapters if f"file: book/{chapter}\n" in toc
     ] == Project(ROOT).chapters
+    assert "file: book/references\n" in toc
+
+
+def test_the_ledger_judges_every_claim_and_cites_its_sources(built):
+    project, _, _ = built
+    ledger = json.loads((project.build_dir / "results" / "claims.json").read_text())
+    assert len(ledger["claims"]) == 20 and sum(ledger["summary"].values()) == 20
+    assert ledger["profiles"] == ["smoke"]
+    page = (project.build_dir / "html" / "book" / "12_report.html").read_text()
+    # sphinxcontrib-bibtex resolved each {cite:p} to a link into the References page
+    assert "Mishra <em>et al.</em>, 2026</a>" in page
+    assert 'href="references.html#' in page
 
 
 def test_execution_leaves_the_repository_untouched(built):
@@ -80,7 +92,8 @@ def browser(built):
     """A Chromium driven by selenium, pointed at the built HTML served on 127.0.0.1."""
     if not (CHROMIUM and CHROMEDRIVER):
         pytest.fail(
-            "headless Chromium is missing: `make setup` installs Debian's chromium and chromium-driver"
+            "headless Chromium is missing: "
+            "`make setup` installs Debian's chromium and chromium-driver"
         )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -119,19 +132,24 @@ def browser(built):
 PAGE_REPORT = """
 const done = arguments[arguments.length - 1];
 const typeset = window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve();
-typeset.then(() => Promise.all(Array.from(document.images).map(img => img.decode().catch(() => null)))).then(() => done({
+const decoded = () => Promise.all(
+  Array.from(document.images).map(img => img.decode().catch(() => null)));
+typeset.then(decoded).then(() => done({
   math: document.querySelectorAll("article .math").length,
   typeset: document.querySelectorAll("article mjx-container").length,
   math_errors: document.querySelectorAll("mjx-merror").length,
-  images: Array.from(document.querySelectorAll("article img")).map(img => [img.src, img.naturalWidth, img.naturalHeight]),
-  error_outputs: document.querySelectorAll(".output.error, .output.traceback, .output.stderr, .system-message").length,
+  images: Array.from(document.querySelectorAll("article img")).map(
+    img => [img.src, img.naturalWidth, img.naturalHeight]),
+  error_outputs: document.querySelectorAll(
+    ".output.error, .output.traceback, .output.stderr, .system-message").length,
   text: document.body.innerText,
 }));
 """
 
 
 @pytest.mark.parametrize(
-    "page", ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters)]
+    "page",
+    ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters), "book/references"],
 )
 def test_rendered_page_in_a_real_browser(browser, built, page):
     driver, url = browser

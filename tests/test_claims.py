@@ -1,43 +1,54 @@
-"""The claims ledger: verdicts computed from hand-built results (each of the four reachable),
-a clear one-line error for a missing chapter, failed chapter, key or figure, a registry whose
-every chapter and figure exists in the book, the schema of claims.json, and the exercises every
-chapter must end with."""
+"""The claims ledger: the engine on hand-built results (each of the four verdicts reachable, a
+clear one-line error for a missing chapter, failed chapter, key or figure, the schema of
+claims.json), and the data, without running a chapter: every claim of `book/claims.toml` cites
+works of `book/references.bib` and reads only keys and figures its chapter declares in
+`book/results.toml`, every declared chapter exists, and a renamed key fails in seconds. Also the
+exercises every chapter must end with."""
 
 import json
-import math
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from grpo_companion.machinery.checks import evaluate_expression, expression_keys
 from grpo_companion.machinery.claims import (
-    CLAIMS,
     NEEDS_SETUP,
     NOT_REPRODUCED,
     QUALITATIVE,
     REPRODUCED,
-    SOURCES,
     VERDICTS,
     Check,
     Claim,
     ClaimError,
-    evaluate_expression,
-    expression_keys,
     judge,
     ledger,
+    load_claims,
+    load_tolerances,
+    markdown_checks,
     markdown_table,
     near,
     write_ledger,
 )
+from grpo_companion.machinery.declarations import (
+    is_declared,
+    load_declarations,
+    mismatches,
+    undeclared_references,
+)
 from grpo_companion.machinery.pipeline import Project
 
 ROOT = Path(__file__).resolve().parents[1]
+CLAIMS_FILE = ROOT / "book" / "claims.toml"
+RESULTS_FILE = ROOT / "book" / "results.toml"
+CLAIMS = load_claims(CLAIMS_FILE)
 
 RANK_CLAIM = Claim(
     id="rank_two",
     statement="effective rank about 2 at every R",
-    source="paper",
+    sources=("mishra2026foundations",),
     chapter="07_rank",
     figure="effective_rank",
     measured="max(effective_ranks)",
@@ -103,8 +114,13 @@ def test_every_verdict_is_reachable_and_computed_from_the_results(ranks, profile
 
 def test_a_mismatched_setup_needs_no_value_of_the_missing_model():
     claim = replace(RANK_CLAIM, measured='ranks_by_model["nemotron"]')
-    judged = judge(claim, results({"ranks_by_model": {"tiny": 3.0}, "model_name": "tiny-llama",
-                                   "effective_ranks": [3.0]}, "cpu"))
+    judged = judge(
+        claim,
+        results(
+            {"ranks_by_model": {"tiny": 3.0}, "model_name": "tiny-llama", "effective_ranks": [3.0]},
+            "cpu",
+        ),
+    )
     assert judged["verdict"] == NEEDS_SETUP
 
 
@@ -181,7 +197,7 @@ def test_claims_json_schema(tmp_path):
     other = Claim(
         id="slope",
         statement="error falls like n^(-1/2)",
-        source="paper",
+        sources=("mishra2026foundations",),
         chapter="01_policy_gradient",
         figure="error_vs_samples",
         measured="error_slope",
@@ -219,12 +235,11 @@ def test_claims_json_schema(tmp_path):
         assert set(row) >= {
             "id",
             "statement",
-            "source",
-            "source_citation",
+            "sources",
             "source_value",
             "chapter",
             "figure",
-            "results_key",
+            "measured",
             "measured_value",
             "verdict",
             "checks",
@@ -234,7 +249,17 @@ def test_claims_json_schema(tmp_path):
             "notes",
         }
         for check in row["checks"]["reproduced"] + row["checks"]["qualitatively"]:
-            assert set(check) == {"expression", "value", "low", "high", "passed"}
+            assert set(check) == {"expression", "rule", "value", "low", "high", "passed"}
+    assert slope["checks"]["reproduced"] == [
+        {
+            "expression": "abs(error_slope + 0.5)",
+            "rule": "abs(error_slope + 0.5) ≤ 0.1",
+            "value": pytest.approx(0.2),
+            "low": None,
+            "high": 0.1,
+            "passed": False,
+        }
+    ]
     stored["claims"][0]["statement"] = "the length |o| of a completion"
     markdown = markdown_table(stored)
     assert markdown.count("\n") == 3  # header, rule, two rows
@@ -242,6 +267,9 @@ def test_claims_json_schema(tmp_path):
     assert "{doc}`07_rank`, figure [effective_rank](../figures/07_rank/effective_rank.png)" in (
         markdown
     )
+    assert "| {cite:p}`mishra2026foundations` |" in markdown
+    checks = markdown_checks(stored)
+    assert "| slope | reproduced | `abs(error_slope + 0.5) ≤ 0.1` | 0.2 | no |" in checks
 
 
 class _One(float):
@@ -251,24 +279,117 @@ class _One(float):
         return self
 
 
-def test_registry_rows_are_well_formed():
+def bibtex_keys(path: Path) -> set[str]:
+    """The keys of a .bib file, parsed as sphinxcontrib-bibtex parses it (pybtex): a syntax
+    error fails here, not in the HTML build."""
+    from pybtex.database import parse_file
+
+    entries = parse_file(str(path), bib_format="bibtex").entries
+    assert all("title" in entry.fields and "year" in entry.fields for entry in entries.values())
+    return set(entries)
+
+
+def test_the_ledger_file_loads_every_claim_well_formed():
     ids = [claim.id for claim in CLAIMS]
-    assert len(ids) == len(set(ids)) and all(claim_id.isidentifier() for claim_id in ids)
-    chapters = Project(ROOT).chapters
+    assert len(ids) == 20 and len(ids) == len(set(ids))
+    assert all(claim_id.isidentifier() for claim_id in ids)
+    cited = bibtex_keys(ROOT / "book" / "references.bib")
+    assert len(cited) == 11 and {"mishra2026foundations", "nie2026starvation"} <= cited
+    assert load_tolerances(CLAIMS_FILE) == {"exact": 1e-9}
     for claim in CLAIMS:
-        assert claim.source in SOURCES and claim.statement and claim.notes
-        assert claim.chapter in chapters, f"{claim.id}: no chapter {claim.chapter}"
-        source = (ROOT / "book" / f"{claim.chapter}.md").read_text()
-        assert re.search(rf'report\.figure\([^)]*"{claim.figure}"\)', source), (
-            f"{claim.id}: chapter {claim.chapter} draws no figure {claim.figure!r}"
-        )
-        assert claim.reproduced and claim.qualitatively != claim.reproduced
+        assert claim.sources and set(claim.sources) <= cited, claim.id
+        assert claim.statement and claim.notes and claim.reproduced
+        assert claim.qualitatively != claim.reproduced
         ones = {key: _One(1.0) for key in claim.keys}
         for check in (*claim.reproduced, *claim.qualitatively):
-            assert check.low <= check.high and (
-                math.isfinite(check.low) or math.isfinite(check.high)
-            )
+            assert check.low <= check.high and min(abs(check.low), abs(check.high)) < float("inf")
             evaluate_expression(check.expression, ones)  # the grammar accepts it
+            evaluate_expression(claim.measured, ones)
+
+
+def test_the_toml_forms_of_a_check():
+    first = CLAIMS[0]  # P1_policy_gradient, as written in claims.toml
+    assert first.id == "P1_policy_gradient" and first.sources == ("mishra2026foundations",)
+    assert first.reproduced == (
+        Check("bandit_max_abs_error", high=1e-9),  # high = "exact", a named tolerance
+        Check("bias_in_standard_errors", high=3.0),
+        Check("abs(error_slope + 0.5)", high=0.1),  # near = ..., target = -0.5, within = 0.1
+    )
+    rank = next(claim for claim in CLAIMS if claim.id == "P4_rank_two_small_models")
+    assert rank.requires == {"profile": ["cpu", "gpu"]}
+    assert rank.keys == ["effective_rank_weighted", "effective_rank_level_sums"]
+
+
+def test_every_claim_reads_what_its_chapter_declares():
+    assert undeclared_references(CLAIMS, load_declarations(RESULTS_FILE)) == []
+
+
+def test_every_chapter_declares_its_results_and_every_declaration_is_a_chapter():
+    declarations = load_declarations(RESULTS_FILE)
+    assert sorted(declarations) == Project(ROOT).chapters
+    for chapter, declared in declarations.items():
+        assert declared["values"], chapter
+        for kind in ("values", "figures"):
+            assert len(set(declared[kind])) == len(declared[kind]), f"{chapter}: repeated {kind}"
+        source = (ROOT / "book" / f"{chapter}.md").read_text()
+        for figure in declared["figures"]:
+            assert f'"{figure}"' in source, f"{chapter} draws no figure {figure!r}"
+
+
+LITERAL_RECORD = re.compile(r'report\.record\(\s*"([^"{}]+)"')
+LITERAL_FIGURE = re.compile(
+    r'report\.figure\((?:[^()]|\([^()]*(?:\([^()]*\))*[^()]*\))*?,\s*"([^"]+)"\)'
+)
+
+
+@pytest.mark.parametrize("chapter", Project(ROOT).chapters)
+def test_every_literal_key_and_figure_of_a_chapter_is_declared(chapter):
+    source = (ROOT / "book" / f"{chapter}.md").read_text()
+    declared = load_declarations(RESULTS_FILE)[chapter]
+    keys, figures = LITERAL_RECORD.findall(source), LITERAL_FIGURE.findall(source)
+    assert keys, chapter
+    assert [key for key in keys if not is_declared(key, declared["values"])] == []
+    assert [name for name in figures if not is_declared(name, declared["figures"])] == []
+
+
+def test_a_renamed_key_or_figure_fails_without_running_a_chapter(tmp_path):
+    text = CLAIMS_FILE.read_text()
+    renamed = tmp_path / "claims.toml"
+    renamed.write_text(text.replace('"error_slope"', '"error_exponent"', 1))
+    problems = undeclared_references(load_claims(renamed), load_declarations(RESULTS_FILE))
+    assert problems == [
+        "claim P1_policy_gradient: chapter 01_policy_gradient declares no key 'error_exponent'"
+    ]
+    renamed.write_text(text.replace('figure = "error_vs_samples"', 'figure = "error_plot"', 1))
+    assert undeclared_references(load_claims(renamed), load_declarations(RESULTS_FILE)) == [
+        "claim P1_policy_gradient: chapter 01_policy_gradient declares no figure 'error_plot'"
+    ]
+    declarations = tmp_path / "results.toml"
+    shutil.copy(RESULTS_FILE, declarations)
+    declarations.write_text(declarations.read_text().replace('"max_error_rloo"', '"rloo_error"'))
+    assert undeclared_references(CLAIMS, load_declarations(declarations)) == [
+        "claim R_rloo_unbiased: chapter 02_group_baseline declares no key 'max_error_rloo'"
+    ]
+
+
+def test_a_bad_claim_in_the_file_names_the_claim(tmp_path):
+    bad = tmp_path / "claims.toml"
+    bad.write_text(CLAIMS_FILE.read_text().replace('measured = "error_slope"', 'measure = "x"', 1))
+    with pytest.raises(ClaimError, match="claim P1_policy_gradient: .*measure"):
+        load_claims(bad)
+
+
+def test_declared_names_plain_and_glob():
+    declaration = {"values": ["a", "rank_*"], "figures": ["plot"]}
+    recorded = {"values": {"a": 1, "rank_x": 2, "rank_y": 3}, "figures": ["plot"]}
+    assert mismatches(declaration, recorded) == []
+    # a glob declares a family of any size; a plain name must be recorded
+    assert mismatches(declaration, {"values": {"a": 1}, "figures": ["plot"]}) == []
+    assert mismatches(declaration, {"values": {"b": 1, "rank_x": 0}, "figures": ["plot", "x"]}) == [
+        "undeclared key 'b'",
+        "declared key 'a' not recorded",
+        "undeclared figure 'x'",
+    ]
 
 
 EXERCISE = re.compile(r"^\d+\. ", re.MULTILINE)
@@ -291,8 +412,13 @@ def test_every_chapter_ends_with_two_or_three_exercises(chapter):
 
 
 def test_an_undefined_ratio_passes_no_check_and_is_recorded_as_none():
-    claim = replace(RANK_CLAIM, measured="spread / noise", requires={},
-                    reproduced=(Check("spread / noise", low=3.0),), qualitatively=())
+    claim = replace(
+        RANK_CLAIM,
+        measured="spread / noise",
+        requires={},
+        reproduced=(Check("spread / noise", low=3.0),),
+        qualitatively=(),
+    )
     judged = judge(claim, results({"spread": 0.0, "noise": 0.0, "effective_ranks": [1.0]}, "cpu"))
     assert judged["verdict"] == NOT_REPRODUCED
     assert judged["measured_value"] is None and judged["checks"]["reproduced"][0]["value"] is None

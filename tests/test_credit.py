@@ -1,29 +1,29 @@
 import math
 
+import pandas as pd
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_companion.chapters.credit import (
+    SHARE_COLUMNS,
     TOKEN_CLASSES,
     PrefixValues,
-    answer_reward,
+    choose_groups,
+    class_share_records,
+    class_share_table,
     class_shares,
-    exact_moments,
-    exact_prefix_values,
     intermediate_results,
-    per_sequence_estimates,
+    prefix_value_summary,
     prefix_values,
+    rewarded_wrong_steps,
     row_spread,
-    sampled_errors,
     select_groups,
     token_advantages,
     token_classes,
-    token_scores,
 )
 from grpo_companion.lm.models import build_tokenizer, format_prompt
-from grpo_companion.core.policy_gradient import SequencePolicy
-from grpo_companion.lm.rollouts import generate_rollouts
+from grpo_companion.lm.rollouts import Rollouts, generate_rollouts
 
 
 def test_token_advantages_hand_built_and_constant_per_row():
@@ -49,65 +49,6 @@ def test_prefix_values_properties_hand_built():
     assert torch.allclose(result.credit.sum(dim=1), values[:, -1] - values[:, 0])
     assert torch.allclose(result.credit_standard_errors[0, 0], torch.tensor(math.sqrt(0.05)))
     assert torch.allclose(result.squared_credit[0], torch.tensor([0.0625 - 0.05, 0.0625 - 0.04, 0]))
-
-
-def _small_policy(vocab_size=3, length=4, seed=0):
-    policy = SequencePolicy(vocab_size, length)
-    return policy, policy.init_logits(seed)
-
-
-def test_exact_prefix_values_hand_built():
-    policy, logits = _small_policy(vocab_size=2, length=2)
-    sequences = policy.all_sequences()
-    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0])  # r = y0 xor y1
-    values = exact_prefix_values(policy, logits, rewards)
-    first = torch.softmax(logits[0, 2], dim=-1)  # context BOS
-    second = torch.softmax(logits[1, :2], dim=-1)  # (y0, y1)
-    after_first = torch.stack([second[0, 1], second[1, 0]])  # P(y1 != y0 | y0)
-    assert torch.allclose(values[:, 0], (first @ after_first).expand(4))
-    assert torch.allclose(values[:, 1], after_first[sequences[:, 0]])
-    assert torch.equal(values[:, 2], rewards)
-
-
-def test_both_estimators_unbiased_and_variances_by_enumeration():
-    policy, logits = _small_policy()
-    sequences = policy.all_sequences()
-    rewards = answer_reward(sequences, policy.vocab_size, positions=[1])
-    probs, exact = policy.probs(logits), policy.exact_gradient(logits, rewards)
-    values = exact_prefix_values(policy, logits, rewards)
-    scores = token_scores(policy, logits, sequences)
-    mask = torch.ones(sequences.shape, dtype=torch.float64)
-    outcome = per_sequence_estimates(token_advantages(rewards - values[:, 0], mask), scores)
-    token = per_sequence_estimates(values.diff(dim=1), scores)
-    for estimates in (outcome, token):
-        mean, _ = exact_moments(probs, estimates)
-        assert torch.allclose(mean, exact, atol=1e-12)
-    # The outcome estimator with b = J is chapter 1's estimator_variance at that baseline.
-    _, outcome_variance = exact_moments(probs, outcome)
-    reference = policy.scores(logits, sequences)
-    assert torch.allclose(outcome, (rewards - values[0, 0])[:, None] * reference, atol=1e-12)
-    # The token-level estimator is not the outcome one: its coefficients vary along a row.
-    _, token_variance = exact_moments(probs, token)
-    assert not torch.isclose(outcome_variance, token_variance)
-
-
-def test_sampled_errors_match_exact_variance():
-    policy, logits = _small_policy()
-    sequences = policy.all_sequences()
-    rewards = answer_reward(sequences, policy.vocab_size, positions=[0, 2])
-    probs = policy.probs(logits)
-    values = exact_prefix_values(policy, logits, rewards)
-    estimates = per_sequence_estimates(values.diff(dim=1), token_scores(policy, logits, sequences))
-    mean, variance = exact_moments(probs, estimates)
-    errors = sampled_errors(probs, estimates, mean, [10, 40], num_repeats=4000, seed=0)
-    # E||mean of n - mean||^2 = variance / n; 4000 repeats: a few % of noise, 10% tolerance.
-    for n, row in zip([10, 40], errors):
-        assert row.mean().item() == pytest.approx(variance.item() / n, rel=0.1)
-
-
-def test_answer_reward_hand_built():
-    sequences = torch.tensor([[1, 2, 0, 3], [1, 2, 0, 0], [3, 3, 3, 2]])
-    assert torch.equal(answer_reward(sequences, 4, [0, 1]), torch.tensor([1.0, 0.0, 1.0]).double())
 
 
 def test_token_classes_of_a_worked_answer():
@@ -270,3 +211,108 @@ def test_intermediate_results_hand_built():
     assert intermediate_results("12+5=17\n17-3=14\n#### 14") == ["17", "14"]
     assert intermediate_results("4*7=28\n28=\n2=-3 and 9\n#### 5") == ["28", "-3"]
     assert intermediate_results("#### 14") == []
+
+
+def _hand_built_rollouts(rewards, texts, lengths, width=4):
+    """Rollouts of len(rewards) groups of G, with only the fields the summaries read."""
+    rewards = torch.tensor(rewards)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    num_prompts, group_size = rewards.shape
+    return Rollouts(
+        prompt_ids=torch.zeros(num_prompts, 1, dtype=torch.long),
+        prompt_mask=torch.ones(num_prompts, 1, dtype=torch.long),
+        completion_ids=torch.zeros(len(texts), width, dtype=torch.long),
+        completion_mask=mask,
+        log_probs=None,
+        lengths=lengths,
+        truncated=torch.zeros(len(texts), dtype=torch.bool),
+        texts=texts,
+        rewards=rewards,
+        num_generations=group_size,
+        temperature=1.0,
+    )
+
+
+def test_choose_groups_puts_mixed_groups_first_in_order():
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    chosen, seen = choose_groups(rewards, num_groups=3)
+    assert chosen == [1, 3, 0]
+    assert seen == {
+        "mixed_groups": 2,
+        "sampled_groups": 4,
+        "pass_rate": 0.5,
+        "num_chosen_groups": 3,
+        "chosen_mixed_groups": 2,
+    }
+    assert choose_groups(rewards, num_groups=1)[0] == [1]
+
+
+def test_prefix_value_summary_hand_built():
+    # Two groups of two; V(s_0) estimates 0.5, 0.5 for group 0 (pass rate 0.5: no gap) and
+    # 0.2, 0.2 for group 1 (pass rate 1: gap 0.8 / sqrt(0.2 * 0.8 / 2) = 0.8 / 0.2828).
+    rollouts = _hand_built_rollouts([[1.0, 0.0], [1.0, 1.0]], ["a", "b", "c", "d"], [2, 1, 3, 1])
+    values = torch.tensor(
+        [
+            [0.5, 0.9, 1.0, 1.0, 1.0],
+            [0.5, 0.0, 0.0, 0.0, 0.0],
+            [0.2, 0.3, 0.6, 1.0, 1.0],
+            [0.2, 1.0, 1.0, 1.0, 1.0],
+        ]
+    )
+    errors = torch.full((4, 5), 0.1)
+    summary = prefix_value_summary(PrefixValues(values, errors, num_resamples=4), rollouts)
+    assert summary["num_resamples"] == 4
+    assert summary["num_continuations"] == (2 + 1 + 3 + 1) * 4
+    assert summary["mean_credit_standard_error"] == pytest.approx(math.sqrt(0.02), rel=1e-6)
+    # Spreads along the masked credit: [0.4, 0.1] -> 0.3, [-0.5] -> 0, [0.1, 0.3, 0.4] -> 0.3,
+    # [0.8] -> 0.
+    assert summary["credit_mean_row_spread"] == pytest.approx(0.15, rel=1e-6)
+    assert torch.allclose(summary["prompt_values"], torch.tensor([0.5, 0.2]))
+    assert torch.equal(summary["group_pass_rates"], torch.tensor([0.5, 1.0]))
+    expected_gap = 0.8 / math.sqrt(0.2 * 0.8 / 2)
+    assert summary["prompt_value_max_gap_in_errors"] == pytest.approx(expected_gap, rel=1e-6)
+
+
+def test_rewarded_wrong_steps_hand_built():
+    references = ["2+3=5\n5*2=10\n#### 10", "7-1=6\n#### 6"]
+    texts = [
+        "2+3=5\n5*2=10\n#### 10",  # rewarded, right steps
+        "2+3=6\n6*2=10\n#### 10",  # rewarded, wrong steps
+        "2+3=5\n5*2=11\n#### 11",  # not rewarded, wrong steps
+        "7-1=6\n#### 6",  # rewarded, right steps
+        "#### 6",  # rewarded, no steps at all: they differ from the reference's
+        "7-1=5\n#### 5",  # not rewarded
+    ]
+    rollouts = _hand_built_rollouts([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], texts, [4, 4, 4, 4, 4, 4])
+    assert rewarded_wrong_steps(rollouts, references) == {
+        "rewarded_rollouts": 4,
+        "rewarded_with_wrong_steps": 2,
+    }
+
+
+def test_class_share_table_and_records_hand_built():
+    classes = torch.tensor([[0, 1, 3, 4], [2, 3, 4, -1]])
+    mask = (classes >= 0).long()
+    outcome = token_advantages(torch.tensor([1.0, -2.0]), mask)  # A^2: 1 on row 0, 4 on row 1
+    squared_credit = torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.25, 0.25, 0.0, 0.0]])
+    shares = class_share_table(mask, outcome, squared_credit, classes)
+    assert list(shares.index) == list(TOKEN_CLASSES)
+    assert list(shares.columns) == list(SHARE_COLUMNS.values())
+    expected = pd.DataFrame(
+        {
+            "tokens": [1 / 7, 1 / 7, 1 / 7, 2 / 7, 2 / 7],
+            "outcome A^2": [1 / 16, 1 / 16, 4 / 16, 5 / 16, 5 / 16],
+            "credit delta^2": [0.0, 0.25, 0.125, 0.625, 0.0],
+        },
+        index=pd.Index(TOKEN_CLASSES, name="token class"),
+    )
+    pd.testing.assert_frame_equal(shares, expected)
+    records = class_share_records(shares)
+    assert len(records) == 3 * (len(TOKEN_CLASSES) + 1)
+    assert records["credit_share_last_result"] == pytest.approx(0.125)
+    assert records["outcome_share_format"] == pytest.approx(5 / 16)
+    # result + last_result + answer
+    assert records["token_share_result_and_answer"] == pytest.approx(4 / 7)
+    assert records["credit_share_result_and_answer"] == pytest.approx(1.0)
+    assert records["outcome_share_result_and_answer"] == pytest.approx(10 / 16)

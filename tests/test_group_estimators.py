@@ -1,4 +1,4 @@
-"""Chapter 2's group estimators, KL estimators and token weights against brute force and closed forms.
+"""The group estimators of chapters 2, 8 and 10 against brute force and closed forms.
 
 Monte Carlo tolerances: seeds are fixed, so each check is deterministic; every bound is at least
 four standard errors of the quantity it checks and was checked not to sit near it.
@@ -7,25 +7,18 @@ four standard errors of the quantity it checks and was checked not to sit near i
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from grpo_companion.core import exact
 from grpo_companion.core.advantages import group_advantages
 from grpo_companion.core.group_estimators import (
-    batch_loss,
     gradient_weight,
     group_estimator_moments,
-    kl_divergence,
-    kl_estimator_moments,
     multisets,
-    optimize_on_batch,
     sample_group_estimates,
-    sequence_kl_estimates,
-    token_weights,
 )
-from grpo_companion.core.policy_gradient import SequencePolicy, reinforce_gradient, sum_mod_reward
+from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
 
 F64 = torch.float64
 
@@ -129,92 +122,3 @@ def test_gradient_weight_splits_scale_and_direction():
     assert gradient_weight(0.5 * direction, direction) == pytest.approx((0.5, 0.0), abs=1e-15)
     weight, residual = gradient_weight(direction + torch.tensor([-4.0, 3.0], dtype=F64), direction)
     assert (weight, residual) == pytest.approx((1.0, 1.0), abs=1e-15)
-
-
-def test_kl_estimators_exact_moments():
-    policy, ref_logits, _ = _setup(vocab_size=3, length=3)
-    logits = ref_logits + 0.5 * policy.init_logits(seed=1)
-    probs = policy.probs(logits)
-    by_definition = (probs * (probs / policy.probs(ref_logits)).log()).sum().item()
-    kl = kl_divergence(policy, logits, ref_logits)
-    assert kl == pytest.approx(by_definition, rel=1e-12)
-    moments = kl_estimator_moments(policy, logits, ref_logits)
-    assert abs(moments["k1"]["bias"]) < 1e-12 and abs(moments["k3"]["bias"]) < 1e-12
-    assert abs(moments["k2"]["bias"]) > 1e-3  # k2 is biased
-    # k3 = k1 + (pi_ref / pi - 1) per token; the exact variance matches a sample variance.
-    draws = policy.sample(logits, 400_000, torch.Generator().manual_seed(2))
-    for estimator in ("k1", "k3"):
-        samples = sequence_kl_estimates(
-            policy, logits, ref_logits, policy.all_sequences()[draws], estimator
-        )
-        # k3's tail (pi_ref / pi) is heavy: its sample variance is within ~1.5% here, so 4%.
-        assert samples.var().item() == pytest.approx(moments[estimator]["variance"], rel=0.04)
-        assert abs(samples.mean().item() - kl) < 5 * math.sqrt(
-            moments[estimator]["variance"] / len(draws)
-        )
-
-
-def test_token_weights_closed_forms():
-    lengths = torch.tensor([2, 5, 8])
-    mask = (torch.arange(10) < lengths[:, None]).to(F64)
-    batch = len(lengths)
-    torch.testing.assert_close(
-        token_weights(mask, "grpo"), mask / (batch * lengths[:, None]), rtol=0, atol=1e-15
-    )
-    torch.testing.assert_close(
-        token_weights(mask, "dr_grpo", max_completion_length=16),
-        mask / (batch * 16),
-        rtol=0,
-        atol=1e-15,
-    )
-    torch.testing.assert_close(
-        token_weights(mask, "dapo"), mask / lengths.sum(), rtol=0, atol=1e-15
-    )
-    torch.testing.assert_close(
-        token_weights(mask, "length_alpha", alpha=0.0),
-        token_weights(mask, "grpo"),
-        rtol=0,
-        atol=1e-15,
-    )
-
-
-def test_first_step_loss_is_zero_but_its_gradient_is_the_group_estimator():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
-    draws = policy.sample(logits, 6 * 4, torch.Generator().manual_seed(0))
-    sequences = policy.all_sequences()[draws]
-    advantages = group_advantages(rewards[draws].view(6, 4)).flatten()
-    leaf = logits.clone().requires_grad_(True)
-    loss, stats = batch_loss(policy, leaf, logits, sequences, advantages)
-    (gradient,) = torch.autograd.grad(loss, leaf)
-    assert abs(loss.item()) < 1e-15 and stats["clip_ratio"] == 0.0
-    # grpo's loss_type averages the L tokens of a sequence: the gradient is -1/L times g.
-    estimator = reinforce_gradient(policy.scores(logits, sequences), advantages)
-    torch.testing.assert_close(gradient.flatten(), -estimator / policy.length, rtol=0, atol=1e-15)
-    assert gradient.norm().item() > 1e-2
-
-
-def test_optimize_on_batch_takes_plain_gradient_steps():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
-    draws = policy.sample(logits, 16, torch.Generator().manual_seed(1))
-    sequences = policy.all_sequences()[draws]
-    advantages = group_advantages(rewards[draws].view(4, 4)).flatten()
-    history = optimize_on_batch(
-        policy, logits, rewards, sequences, advantages, 2, 0.5, epsilon=math.inf
-    )
-    assert history["kl"][0] == 0.0 and history["clip_ratio"] == [0.0, 0.0]
-    assert history["objective"][0] == pytest.approx(
-        policy.objective(logits, rewards).item(), rel=1e-15
-    )
-    leaf = logits.clone().requires_grad_(True)
-    (gradient,) = torch.autograd.grad(
-        batch_loss(policy, leaf, logits, sequences, advantages)[0], leaf
-    )
-    assert history["kl"][1] == pytest.approx(
-        kl_divergence(policy, logits - 0.5 * gradient, logits), rel=1e-12
-    )
-    # with a tiny epsilon the second step already clips tokens
-    clipped = optimize_on_batch(
-        policy, logits, rewards, sequences, advantages, 2, 0.5, epsilon=1e-3
-    )
-    assert clipped["clip_ratio"][1] > 0
-    assert np.isfinite(clipped["kl"]).all()

@@ -1,4 +1,4 @@
-"""Chapter 8: the U-statistic form, exact moments on the sequence policy, the budget trade-off.
+"""Chapter 10: the U-statistic form, exact moments on the sequence policy, the budget trade-off.
 
 Two independent exact routes are checked against each other (Hoeffding's variance from pair
 enumeration, and the conditional-on-k sums of `grpo_companion.core.exact` on the policy's reward
@@ -13,19 +13,38 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.core.exact import beta_quadrature, estimator_moments
 from grpo_companion.chapters.group_size import (
+    BUDGET_ESTIMATORS,
+    ESTIMATORS,
     best_group_size,
+    best_group_sizes,
+    beta_with_mean,
     budget_moments,
-    group_gradient,
+    budget_monte_carlo,
+    budget_mse_curves,
+    budget_optima,
+    closed_form_mse,
+    exact_mse,
+    kernel_table,
     kernel_variances,
-    reward_geometry,
+    max_relative_gap,
+    oracle_property_summary,
     rloo_best_group_size,
+    rloo_best_group_size_table,
     sample_batch_errors,
-    sample_group_gradients,
+    sampled_mse,
     sequence_policy_moments,
+    smallest_group_size,
     u_statistic,
+    u_statistic_identity_error,
     u_statistic_variance,
+    z_scores,
+)
+from grpo_companion.core.exact import beta_quadrature, estimator_moments
+from grpo_companion.core.group_estimators import (
+    estimator_advantages,
+    group_gradient,
+    sample_group_estimates,
 )
 from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
 
@@ -44,8 +63,10 @@ def test_u_statistic_is_rloo_and_group_mean_is_shrunk_u():
     rewards = torch.randn(5, 7, generator=generator, dtype=torch.float64)  # any rewards
     u = u_statistic(scores, rewards)
     tight = {"rtol": 1e-12, "atol": 1e-12}
-    torch.testing.assert_close(group_gradient(scores, rewards, "rloo"), u, **tight)
-    torch.testing.assert_close(group_gradient(scores, rewards, "dr_grpo"), (1 - 1 / 7) * u, **tight)
+    rloo = group_gradient(scores, estimator_advantages(rewards, "rloo"))
+    mean_self = group_gradient(scores, estimator_advantages(rewards, "dr_grpo"))
+    torch.testing.assert_close(rloo, u, **tight)
+    torch.testing.assert_close(mean_self, (1 - 1 / 7) * u, **tight)
 
 
 def test_kernel_first_projection_is_the_oracle(setup):
@@ -68,7 +89,7 @@ def test_two_exact_routes_agree(setup, group_size):
     mean_self = sequence_policy_moments(policy, logits, rewards, group_size, "dr_grpo")
     expected = (1 - 1 / group_size) ** 2 * variance_u + kernel["gradient_sq_norm"] / group_size**2
     assert mean_self["mse"] == pytest.approx(expected, rel=1e-9)
-    # The group-free estimators are chapter 1's V(b) / G.
+    # The group-free estimators are chapter 1's Var[g_b] / G.
     for method, baseline in (("no_baseline", 0.0), ("oracle", kernel["value"])):
         moments = sequence_policy_moments(policy, logits, rewards, group_size, method)
         single = float(estimator_variance(policy, logits, rewards, baseline))
@@ -81,7 +102,8 @@ def brute_force_moments(policy, logits, rewards, group_size, method, **options):
     scores = policy.scores(logits, policy.all_sequences())
     groups = torch.tensor(list(itertools.product(range(policy.num_sequences), repeat=group_size)))
     weights = probs[groups].prod(dim=1)
-    estimates = group_gradient(scores[groups], rewards[groups], method, **options)
+    advantages = estimator_advantages(rewards[groups], method, **options)
+    estimates = group_gradient(scores[groups], advantages)
     mean = weights @ estimates
     return mean, float(weights @ (estimates - mean).square().sum(dim=1))
 
@@ -107,24 +129,12 @@ def test_moments_match_enumeration_of_every_group(method, options, group_size):
     assert exact["variance"] == pytest.approx(variance, rel=1e-9)
 
 
-def test_reward_geometry_reduces_the_bernoulli_policy_to_itself():
-    # One token, two actions, reward on action 1: the Bernoulli-logit model up to the softmax's
-    # two logits, u = (-1, 1) / 2 * ... : kappa = 2 ||grad p||^2 / (p(1-p))^2 / 2, no noise.
-    policy = SequencePolicy(vocab_size=2, length=1)
-    logits = policy.init_logits(seed=0)
-    rewards = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    geometry = reward_geometry(policy, logits, rewards)
-    assert geometry["kappa"] == pytest.approx(2.0, rel=1e-12)  # d p / d(z_1, z_0) = p(1-p) (1, -1)
-    assert geometry["noise_correct"] == pytest.approx(0.0, abs=1e-12)
-    assert geometry["noise_incorrect"] == pytest.approx(0.0, abs=1e-12)
-
-
 @pytest.mark.parametrize("method", ["no_baseline", "oracle", "dr_grpo", "grpo"])
 def test_sampled_groups_match_exact_moments(setup, method):
     policy, logits, rewards = setup
     generator = torch.Generator().manual_seed(3)
     num_groups, group_size = 40_000, 6
-    estimates = sample_group_gradients(
+    estimates = sample_group_estimates(
         policy, logits, rewards, group_size, num_groups, generator, method
     )
     exact = sequence_policy_moments(policy, logits, rewards, group_size, method)
@@ -215,11 +225,129 @@ def test_sampled_batches_match_budget_moments(method, group_size):
     assert abs(errors.mean() - exact) < 5 * errors.std() / math.sqrt(len(errors))
 
 
-def test_errors(setup):
-    policy, logits, rewards = setup
+def test_errors():
     with pytest.raises(ValueError, match="value"):
-        group_gradient(torch.zeros(1, 2, 3), torch.zeros(1, 2), "oracle")
-    with pytest.raises(ValueError, match="binary"):
-        reward_geometry(policy, logits, rewards * 0.5)
-    with pytest.raises(ValueError, match="pass rate"):
-        reward_geometry(policy, logits, torch.zeros_like(rewards))
+        estimator_advantages(torch.zeros(1, 2), "oracle")
+
+
+# -- the chapter's aggregates: each against the function it aggregates, or numbers by hand -----
+
+
+def test_u_statistic_identity_error_is_rounding_and_draws_in_order(setup):
+    policy, logits, rewards = setup
+    generator = torch.Generator().manual_seed(7)
+    error = u_statistic_identity_error(policy, logits, rewards, [2, 3, 5], 50, generator)
+    assert 0 <= error < 1e-14
+    replay = torch.Generator().manual_seed(7)
+    for G in (2, 3, 5):
+        policy.sample(logits, 50 * G, replay)
+    assert torch.equal(generator.get_state(), replay.get_state())
+
+
+def test_closed_form_mse_matches_the_exact_curves(setup):
+    policy, logits, rewards = setup
+    kernel = kernel_variances(policy, logits, rewards)
+    no_baseline = float(estimator_variance(policy, logits, rewards, 0.0))
+    sizes = [2, 3, 8, 32]
+    formulas = closed_form_mse(kernel, no_baseline, sizes)
+    exact = exact_mse(policy, logits, rewards, sizes)
+    assert set(formulas) == set(ESTIMATORS) - {"GRPO (std)"}
+    assert max_relative_gap(exact, formulas) < 1e-9
+    assert (
+        exact["GRPO (std)"][1] == sequence_policy_moments(policy, logits, rewards, 3, "grpo")["mse"]
+    )
+
+
+def test_max_relative_gap_and_z_scores_by_hand():
+    curves = {"a": np.array([1.0, 2.2]), "b": np.array([3.0])}
+    assert max_relative_gap(curves, {"a": np.array([1.0, 2.0])}) == pytest.approx(0.1)
+    sampled = {"a": (np.array([1.0, 3.0]), np.array([0.5, 1.0])), "b": (np.array([4.0]), [2.0])}
+    z = z_scores(sampled, {"a": np.array([2.0, 2.0]), "b": np.array([3.0])})
+    np.testing.assert_allclose(z, [-2.0, 1.0, 0.5])
+
+
+def test_sampled_mse_replays_the_sampler(setup):
+    policy, logits, rewards = setup
+    methods = {"RLOO = U": "rloo", "oracle, b = J": "oracle"}
+    sampled = sampled_mse(
+        policy, logits, rewards, [2, 4], 300, torch.Generator().manual_seed(1), methods
+    )
+    generator = torch.Generator().manual_seed(1)
+    gradient = policy.exact_gradient(logits, rewards)
+    for label, method in methods.items():
+        for index, G in enumerate([2, 4]):
+            estimates = sample_group_estimates(policy, logits, rewards, G, 300, generator, method)
+            errors = (estimates - gradient).square().sum(dim=1)
+            assert sampled[label][0][index] == float(errors.mean())
+            assert sampled[label][1][index] == pytest.approx(float(errors.std()) / math.sqrt(300))
+
+
+def test_oracle_property_summary_by_hand():
+    exact = {
+        "RLOO = U": np.array([3.0, 1.1]),
+        "oracle, b = J": np.array([2.0, 1.0]),
+        "group mean": np.array([1.0, 0.9]),
+    }
+    summary = oracle_property_summary(exact, [2, 64])
+    assert summary == pytest.approx(
+        {
+            "rloo_excess_smallest": 0.5,
+            "rloo_excess_largest": 0.1,
+            "rloo_excess_times_g_largest": 6.4,
+            "group_mean_over_oracle_smallest": 0.5,
+        }
+    )
+
+
+def test_budget_curves_optima_and_search():
+    pass_rates, weights = BETA
+    assert smallest_group_size("oracle") == 1 and smallest_group_size("rloo") == 2
+    assert "GRPO (std)" not in BUDGET_ESTIMATORS and "RLOO = U" in BUDGET_ESTIMATORS
+    curves = budget_mse_curves(pass_rates, weights, [1, 2, 8], 256, BUDGET_ESTIMATORS)
+    assert np.isnan(curves["RLOO = U"][0]) and not np.isnan(curves["oracle, b = J"][0])
+    assert curves["RLOO = U"][2] == budget_moments(pass_rates, weights, 8, 256, "rloo")["mse"]
+    best = best_group_sizes(pass_rates, weights, [64, 256], 40, BUDGET_ESTIMATORS)
+    direct, _ = best_group_size(pass_rates, weights, [64, 256], list(range(2, 41)), "dr_grpo")
+    assert [best["group mean"][N] for N in (64, 256)] == direct.tolist()
+    assert best["no baseline"] == {64: 1, 256: 1}
+    optima = budget_optima(pass_rates, weights, best, 256, {"group mean": "dr_grpo"})
+    G = best["group mean"][256]
+    assert optima == {"group mean": (G, budget_moments(pass_rates, weights, G, 256)["mse"])}
+
+
+def test_budget_monte_carlo_replays_sample_batch_errors():
+    pass_rates, weights = beta_quadrature(1.0, 2.0)
+    methods = {"RLOO = U": "rloo", "group mean": "dr_grpo"}
+    checks, z = budget_monte_carlo(
+        pass_rates, weights, (1.0, 2.0), [2, 8], 64, 4000, np.random.default_rng(3), methods,
+        score_noise=1.0,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    true_gradient = float(weights @ (pass_rates * (1 - pass_rates)))
+    for label, method in methods.items():
+        for errors, G in zip(checks[label], [2, 8], strict=True):
+            replay = sample_batch_errors(
+                lambda r, size: r.beta(1.0, 2.0, size), G, 64, 4000, rng, method,
+                score_noise=1.0, true_gradient=true_gradient,
+            )  # fmt: skip
+            np.testing.assert_array_equal(errors, replay)
+    assert len(z) == 4 and max(abs(value) for value in z) < 5
+
+
+def test_beta_with_mean_and_the_best_group_size_table():
+    nodes, weights = beta_with_mean(0.3, 4.0)
+    assert weights @ nodes == pytest.approx(0.3, rel=1e-12)
+    # Var of Beta(1.2, 2.8) = m (1 - m) / (a + b + 1)
+    assert weights @ (nodes - 0.3) ** 2 == pytest.approx(0.21 / 5, rel=1e-12)
+    table = rloo_best_group_size_table([0.3, 0.5], [1.0, 4.0], score_noise=2.0)
+    assert table.shape == (2, 2)
+    assert table[1, 0] == rloo_best_group_size(nodes, weights, score_noise=2.0)
+
+
+def test_kernel_table_puts_the_oracle_next_to_four_zeta_1(setup):
+    policy, logits, rewards = setup
+    kernel = kernel_variances(policy, logits, rewards)
+    oracle = float(estimator_variance(policy, logits, rewards, kernel["value"]))
+    column = kernel_table(kernel, oracle, 1.0)["value"]
+    assert column["4 zeta_1"] == pytest.approx(column["Var[g_J], chapter 1"], rel=1e-10)
+    assert column["Var[g_0], chapter 1"] == 1.0

@@ -1,4 +1,4 @@
-"""Chapter 7's two-length toy against brute force: every token sequence enumerated, the update
+"""Chapter 9's two-length toy against brute force: every token sequence enumerated, the update
 taken by autograd through `grpo_companion.core.losses.aggregate(..., "length_alpha")`."""
 
 import itertools
@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.chapters.advantage_zoo import TwoLengthToy
+from grpo_companion.chapters.advantage_zoo import (
+    TwoLengthToy,
+    length_alpha_choices,
+    length_summary,
+    length_tradeoff,
+    length_tradeoff_table,
+)
 from grpo_companion.core.losses import aggregate
 
 TOY = TwoLengthToy(short_length=2, long_length=4, long_logit=0.4, step_logit=1.1)
@@ -118,3 +124,37 @@ def test_errors():
         TwoLengthToy(short_length=5, long_length=5)
     with pytest.raises(ValueError, match="2 <="):
         TwoLengthToy(short_length=1, long_length=5)
+
+
+def test_relative_baseline_push_is_the_push_over_the_gradient_norm():
+    b = 0.3
+    q = 1 / (1 + math.exp(-TOY.long_logit))
+    weight_gap = 1 / TOY.long_length - 1 / TOY.short_length
+    expected = b * q * (1 - q) * abs(weight_gap) / np.linalg.norm(TOY.true_gradient())
+    assert TOY.relative_baseline_push(0.0, b) == pytest.approx(expected, rel=1e-12)
+    assert TOY.relative_baseline_push(1.0, b) < 1e-14
+
+
+def test_length_tradeoff_curves_and_the_alpha_they_pick():
+    alphas = np.linspace(0, 1, 11)
+    tradeoff = length_tradeoff(TOY, alphas)
+    assert tradeoff["angle_no_baseline"][3] == TOY.bias_angle(alphas[3], 0.0)
+    assert tradeoff["angle_group_mean"][3] == TOY.bias_angle(alphas[3], TOY.objective())
+    np.testing.assert_allclose(tradeoff["token_weight"], 2.0**alphas, rtol=1e-14)  # L ratio 2
+    choices = length_alpha_choices(alphas, tradeoff)
+    assert choices["unbiased_alpha"] == 1.0  # P1 only at alpha = 1
+    assert choices["token_invariant_alpha"] == 0.0  # P2 as token weight only at alpha = 0
+    # P2 as gradient size: the grid point nearest the root of gradient_size_ratio(alpha) = 1
+    size = tradeoff["gradient_size"]
+    assert choices["size_invariant_alpha"] == alphas[np.argmin(np.abs(np.log(size)))]
+    assert 0.0 < choices["size_invariant_alpha"] < 1.0
+
+
+def test_length_summary_and_table_agree():
+    summary = length_summary(TOY)
+    table = length_tradeoff_table(TOY, [0.0, 1.0])
+    assert table.loc[0.0, "angle, b = J (deg)"] == summary["angle_grpo_group_mean"]
+    assert table.loc[0.0, "angle, b = 0 (deg)"] == summary["angle_grpo_no_baseline"]
+    assert table.loc[0.0, "baseline push / |grad J|"] == summary["baseline_push_grpo"]
+    assert table.loc[1.0, "token weight ratio"] == summary["dr_grpo_token_weight_ratio"] == 2.0
+    assert table.loc[1.0, "gradient size ratio"] == summary["dr_grpo_gradient_size_ratio"]

@@ -14,6 +14,7 @@ from grpo_companion.lm.models import (
     DEFAULT_GPU_MODEL,
     ModelUnavailableError,
     TinyLlamaSpec,
+    build_prompts,
     build_tokenizer,
     format_prompt,
     load_policy,
@@ -38,7 +39,6 @@ SMALL = TinyLlamaSpec(
     max_completion_length=8,
     num_threads=1,
 )
-
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,28 @@ def test_tiny_prompt_format_and_token_boundary(tokenizer, problems):
         + tokenizer(answer, add_special_tokens=False).input_ids
     )
     assert joint == apart
+
+
+def test_build_prompts_gives_each_problem_its_prompt_and_gold(tokenizer):
+    problems = {"question": ["2 apples", "3 pears"], "answer": ["1+1=2\n#### 2", "#### 1,000"]}
+    prompts, golds = build_prompts(tokenizer, problems)
+    assert prompts == ["<bos>Question: 2 apples\nAnswer: ", "<bos>Question: 3 pears\nAnswer: "]
+    assert golds == ["2", "1000"]
+
+
+def test_load_policy_casts_the_weights_to_dtype(tmp_path):
+    spec = replace(SMALL, train_steps=0, num_eval_examples=1, max_completion_length=2)
+    as_loaded, _ = load_policy("tiny-llama", spec=spec, cache_dir=tmp_path, progress=False)
+    cast, _ = load_policy(
+        "tiny-llama", spec=spec, cache_dir=tmp_path, progress=False, dtype="bfloat16"
+    )
+    same, _ = load_policy(
+        "tiny-llama", spec=spec, cache_dir=tmp_path, progress=False, dtype=torch.float32
+    )
+    assert {p.dtype for p in as_loaded.parameters()} == {torch.float32}
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    for a, b, c in zip(as_loaded.parameters(), cast.parameters(), same.parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b) and torch.equal(a, c)
 
 
 # --- tiny-llama: warm start and cache ------------------------------------------------------
@@ -130,8 +152,14 @@ def test_warm_start_is_deterministic_and_leaves_the_global_rng_alone():
 def test_warm_start_stops_at_the_first_validation_accuracy_on_target(monkeypatch):
     """Scripted accuracies: 0.1 at step 4, 0.2 at step 8, 0.35 at step 12 (>= 0.3: stop),
     then the held-out evaluation. Each call's prompts and thread count are recorded."""
-    spec = replace(SMALL, train_steps=40, eval_every=4, target_accuracy=0.3,
-                   num_validation_examples=6, num_threads=1)
+    spec = replace(
+        SMALL,
+        train_steps=40,
+        eval_every=4,
+        target_accuracy=0.3,
+        num_validation_examples=6,
+        num_threads=1,
+    )
     scripted = iter([0.1, 0.2, 0.35, 0.25])
     calls = []
 
@@ -151,10 +179,15 @@ def test_warm_start_stops_at_the_first_validation_accuracy_on_target(monkeypatch
     assert report["steps"] == len(report["losses"]) == 12
     assert report["held_out_accuracy"] == 0.25
     assert [(len(prompts), threads, training) for prompts, threads, training in calls] == [
-        (6, 1, False), (6, 1, False), (6, 1, False), (spec.num_eval_examples, 1, False)
+        (6, 1, False),
+        (6, 1, False),
+        (6, 1, False),
+        (spec.num_eval_examples, 1, False),
     ]
     # Validation problems: never trained on, never test problems.
-    problems = load_gsm8k("train", source="arithmetic", num_examples=spec.num_train_examples, seed=0)
+    problems = load_gsm8k(
+        "train", source="arithmetic", num_examples=spec.num_train_examples, seed=0
+    )
     test = load_gsm8k("test", source="arithmetic", num_examples=spec.num_eval_examples, seed=0)
     trained = {format_prompt(tokenizer, q) for q in problems["question"]}
     validation = set(calls[0][0])

@@ -1,13 +1,15 @@
-"""The pipeline's promises, on a two-chapter fixture book: bad input is refused before any cell
-runs, a failing chapter is reported with its cell and leaves every published output intact, and
-a Sphinx warning fails the HTML build."""
+"""The pipeline's promises, on a two-chapter fixture book: parameters resolve from the profile's
+shared values, the chapter's table and the overrides (dicts merged key by key); bad input is
+refused before any cell runs; a failing chapter, or one that records other keys or figures than it
+declares, is reported in one line and leaves every published output intact; a Sphinx warning
+fails the HTML build; and the command line explains itself."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from grpo_companion.machinery.cli import main
+from grpo_companion.machinery.cli import COMMANDS, main
 from grpo_companion.machinery.pipeline import (
     PipelineError,
     Project,
@@ -61,15 +63,22 @@ The total is {{glue:text}}`{glue_key}`.
 """
 
 
+CHAPTERS = {"01_first": "First", "02_second": "Second"}
+
+
 def make_book(root: Path, glue_key: str = "total") -> Project:
     (root / "book").mkdir(parents=True)
     (root / "_config.yml").write_text((ROOT / "_config.yml").read_text())
-    (root / "_toc.yml").write_text(
-        "format: jb-book\nroot: book/intro\nchapters:\n  - file: book/01_first\n  - file: book/02_second\n"
-    )
+    files = "".join(f"  - file: book/{name}\n" for name in CHAPTERS)
+    (root / "_toc.yml").write_text(f"format: jb-book\nroot: book/intro\nchapters:\n{files}")
     (root / "book" / "intro.md").write_text("# Fixture book\n")
+    # _config.yml names the bibliography: the fixture book has the real one
+    (root / "book" / "references.bib").write_text((ROOT / "book" / "references.bib").read_text())
     (root / "book" / "profiles.toml").write_text("[cpu]\n[smoke.01_first]\nnum_samples = 2\n")
-    for name, title in (("01_first", "First"), ("02_second", "Second")):
+    (root / "book" / "results.toml").write_text(
+        "".join(f'[{name}]\nvalues = ["total"]\nfigures = ["line"]\n' for name in CHAPTERS)
+    )
+    for name, title in CHAPTERS.items():
         (root / "book" / f"{name}.md").write_text(
             CHAPTER.format(name=name, title=title, glue_key=glue_key)
         )
@@ -106,11 +115,13 @@ def test_profile_values_and_overrides_are_resolved(book):
     [
         (
             ["run", "01_first", "-p", "num_smaples", "3"],
-            "chapter 01_first: unknown parameter 'num_smaples'; accepted parameters: fail, num_samples, rate, seed",
+            "chapter 01_first: unknown parameter 'num_smaples'; "
+            "accepted parameters: fail, num_samples, rate, seed",
         ),
         (
             ["run", "01_first", "-p", "num_samples", "many"],
-            "chapter 01_first: parameter 'num_samples' must be int like its default 10, got str 'many'",
+            "chapter 01_first: parameter 'num_samples' must be int like its default 10, "
+            "got str 'many'",
         ),
         (["run", "01_first", "-p", "fail", "1"], "parameter 'fail' must be bool"),
         (
@@ -130,6 +141,118 @@ def test_bad_input_is_refused_before_any_cell_runs(book, capsys, argv, message):
     assert message in error
     assert error.count("\n") == 1  # one line
     assert not book.build_dir.exists()  # nothing was executed, nothing written
+
+
+DICT_CHAPTER = """\
+---
+jupytext:
+  text_representation: {extension: .md, format_name: myst}
+kernelspec: {display_name: Python 3, language: python, name: python3}
+---
+
+# Dicts
+
+```{code-cell} ipython3
+:tags: [parameters]
+
+profile = "cpu"
+output_dir = "scratch"
+seed = 0
+rate = 0.5
+options = {"depth": 1, "width": 2, "name": "a"}
+```
+"""
+
+SHARED_PROFILES = """\
+[cpu]
+
+[smoke.shared]
+rate = 0.25
+options = { depth = 3 }
+
+[smoke.01_first]
+num_samples = 2
+
+[smoke.02_second]
+rate = 0.75
+
+[smoke.03_dicts]
+options = { width = 4 }
+"""
+
+
+def test_shared_values_reach_only_the_chapters_that_declare_them_and_dicts_merge(book):
+    (book.root / "book" / "03_dicts.md").write_text(DICT_CHAPTER)
+    (book.root / "book" / "profiles.toml").write_text(SHARED_PROFILES)
+    # `options` is shared but only 03_dicts declares it; `rate` goes to every chapter
+    assert resolve_parameters(book, "01_first", "smoke") == {"rate": 0.25, "num_samples": 2}
+    # a chapter's own table wins over the shared value
+    assert resolve_parameters(book, "02_second", "smoke") == {"rate": 0.75}
+    # a dict merges key by key: the default, then the shared dict, then the chapter's table
+    assert resolve_parameters(book, "03_dicts", "smoke") == {
+        "rate": 0.25,
+        "options": {"depth": 3, "width": 4, "name": "a"},
+    }
+    # ... then the override, which changes one key and keeps the others
+    assert resolve_parameters(book, "03_dicts", "smoke", {"options": {"name": "b"}}) == {
+        "rate": 0.25,
+        "options": {"depth": 3, "width": 4, "name": "b"},
+    }
+    assert resolve_parameters(book, "03_dicts", "cpu", {"options": {"width": 9}}) == {
+        "options": {"depth": 1, "width": 9, "name": "a"}
+    }
+    # documented: the keys inside a dict are not checked here (a default such as `{}` names
+    # none); a misspelt key reaches the chapter, whose constructor refuses it
+    assert resolve_parameters(book, "03_dicts", "cpu", {"options": {"wdith": 9}}) == {
+        "options": {"depth": 1, "width": 2, "name": "a", "wdith": 9}
+    }
+    with pytest.raises(PipelineError, match="parameter 'options' must be dict"):
+        resolve_parameters(book, "03_dicts", "cpu", {"options": 3})
+    (book.root / "book" / "profiles.toml").write_text("[smoke.shared]\nrate = 'fast'\n")
+    with pytest.raises(PipelineError, match="chapter 01_first: parameter 'rate' must be float"):
+        resolve_parameters(book, "01_first", "smoke")
+
+
+def test_a_chapter_without_declared_results_is_refused_before_any_cell_runs(book, capsys):
+    (book.root / "book" / "results.toml").write_text(
+        '[01_first]\nvalues = ["total"]\nfigures = ["line"]\n'
+    )
+    assert main(["--root", str(book.root), "run", "02_second", "--no-progress"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: chapter 02_second declares no results: add a [02_second]")
+    assert error.count("\n") == 1 and not book.build_dir.exists()
+
+
+def test_a_chapter_that_records_other_keys_than_it_declares_fails_and_publishes_nothing(book):
+    (book.root / "book" / "results.toml").write_text(
+        '[01_first]\nvalues = ["total", "mean"]\nfigures = ["line_*"]\n'
+    )
+    with pytest.raises(PipelineError) as error:
+        execute_chapter(book, "01_first", "smoke", progress=False)
+    failed = book.build_dir / "failed" / "01_first.ipynb"
+    assert str(error.value) == (
+        "chapter 01_first does not match its [01_first] of book/results.toml: declared key "
+        f"'mean' not recorded; undeclared figure 'line'; executed notebook: {failed}"
+    )
+    assert failed.exists() and not (book.build_dir / "results").exists()
+    assert not (book.build_dir / "figures").exists()
+
+
+def test_every_command_explains_itself_with_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        main(["--help"])
+    assert exit_code.value.code == 0
+    text = capsys.readouterr().out
+    assert "Execute the GRPO Companion's chapters with papermill" in text
+    for name, (summary, _, example) in COMMANDS.items():
+        assert f"{name}  " in text and summary in text
+        assert f"python -m grpo_companion {name}" in text or name == "html"
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        command_help = capsys.readouterr().out
+        assert command_help.startswith(f"usage: python -m grpo_companion {name}")
+        assert f"example:\n  {example}" in command_help
+    assert "--profile PROFILE" in command_help or name == "html"
 
 
 def test_parse_value_reads_literals_and_falls_back_to_strings():
@@ -221,12 +344,15 @@ report.record("build_dir", build_dir)
 report.write();
 ```
 
-The first chapter's total is {glue:text}`first_total`, its figure [a line](../figures/01_first/line.png).
+The first chapter's total is {glue:text}`first_total`, its figure
+[a line](../figures/01_first/line.png).
 """
 
 
 def test_a_chapter_that_declares_build_dir_reads_the_build_and_links_its_figures(book, capsys):
     (book.root / "book" / "03_ledger.md").write_text(LEDGER)
+    with open(book.root / "book" / "results.toml", "a") as declarations:
+        declarations.write('[03_ledger]\nvalues = ["first_total", "build_dir"]\n')
     toc = book.root / "_toc.yml"
     toc.write_text(toc.read_text() + "  - file: book/03_ledger\n")
     argv = ["--root", str(book.root), "run", "03_ledger", "-p", "build_dir", "elsewhere"]

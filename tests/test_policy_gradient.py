@@ -1,7 +1,7 @@
 """Chapter 1's estimators against exact enumeration.
 
-Statistical tolerances: an n-sample REINFORCE mean has E||g_n - grad J||^2 = V/n exactly, so
-||g_n - grad J|| > 5 sqrt(V/n) has probability below 1/25 by Markov's inequality on the square
+Statistical tolerances: an n-sample REINFORCE mean has E||g_n - grad J||^2 = Var/n exactly, so
+||g_n - grad J|| > 5 sqrt(Var/n) has probability below 1/25 by Markov's inequality on the square
 for any one draw, and far less in practice (the error is a sum of many small terms); seeds are
 fixed, so each test is deterministic and was checked not to sit near its bound.
 """
@@ -14,6 +14,7 @@ import torch
 from grpo_companion.core.policy_gradient import (
     SequencePolicy,
     estimator_variance,
+    exact_prefix_values,
     monte_carlo_errors,
     optimal_baseline,
     reinforce_estimates,
@@ -48,7 +49,7 @@ def test_closed_form_scores_equal_autograd(setup):
     scores = policy.scores(logits, sequences)
     for k in [0, 5, 26]:
         jacobian = torch.autograd.functional.jacobian(
-            lambda t: policy.log_prob(t, sequences[k : k + 1])[0], logits
+            lambda t, k=k: policy.log_prob(t, sequences[k : k + 1])[0], logits
         )
         torch.testing.assert_close(scores[k], jacobian.flatten(), rtol=0, atol=1e-12)
 
@@ -167,3 +168,26 @@ def test_token_log_probs_are_the_softmax_steps_and_sum_to_log_prob(setup):
     step = torch.log_softmax(logits, dim=-1)
     expected = torch.stack([step[0, 3, 0], step[1, 0, 2], step[2, 2, 1]])
     torch.testing.assert_close(token_log_probs[0 * 9 + 2 * 3 + 1], expected, rtol=0, atol=1e-14)
+
+
+def test_exact_prefix_values_are_brute_force_conditional_expectations(setup):
+    policy, logits, rewards = setup
+    rewards = rewards + torch.arange(policy.num_sequences, dtype=torch.float64) / 100  # not 0/1
+    values = exact_prefix_values(policy, logits, rewards)
+    assert values.shape == (policy.num_sequences, policy.length + 1)
+    sequences, probs = policy.all_sequences(), policy.probs(logits)
+    for k in range(policy.num_sequences):
+        for t in range(policy.length + 1):
+            # E[r | y_<t] by filtering the sequences that share sequence k's first t tokens.
+            same = (sequences[:, :t] == sequences[k, :t]).all(dim=1)
+            expected = (probs[same] @ rewards[same]) / probs[same].sum()
+            torch.testing.assert_close(values[k, t], expected, rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        values[:, 0], policy.objective(logits, rewards).expand(policy.num_sequences)
+    )
+    torch.testing.assert_close(values[:, -1], rewards, rtol=0, atol=1e-14)
+    # Hand-checked: under the uniform policy V(y_<2) averages the 3 rewards of the prefix's block.
+    uniform = exact_prefix_values(
+        policy, torch.zeros(policy.logits_shape, dtype=torch.float64), rewards
+    )
+    torch.testing.assert_close(uniform[4, 2], rewards[3:6].mean(), rtol=0, atol=1e-14)

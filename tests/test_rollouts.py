@@ -3,8 +3,8 @@ import copy
 import pytest
 import torch
 
-from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.lm.models import format_prompt
+from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import (
     cut_at_eos,
     generate_rollouts,
@@ -26,9 +26,7 @@ def policy(random_tiny):
 def problems(policy):
     _, tokenizer = policy
     data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
-    return [format_prompt(tokenizer, q) for q in data["question"]], [
-        gold_answer(a) for a in data["answer"]
-    ]
+    return build_prompts(tokenizer, data)
 
 
 def _rollouts(policy, problems, **overrides):
@@ -233,17 +231,20 @@ def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
         reward_fn=lambda text, gold: float(text == gold),
     )
     assert accuracy == 1.0
-    rewards, texts = greedy_completions(model, tokenizer, prompts, expected,
-                                        max_completion_length=8,
-                                        reward_fn=lambda text, gold: float(text == gold))
+    rewards, texts = greedy_completions(
+        model,
+        tokenizer,
+        prompts,
+        expected,
+        max_completion_length=8,
+        reward_fn=lambda text, gold: float(text == gold),
+    )
     assert texts == expected and rewards == [1.0] * len(prompts)
 
 
 def test_cut_at_eos_with_pad_equal_to_eos_and_several_eos_tokens():
     ids = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [9, 0, 0, 0], [3, 4, 9, 1]])
-    completion_ids, mask, lengths, truncated = cut_at_eos(
-        ids, eos_token_ids=[2, 9], pad_token_id=2
-    )
+    completion_ids, mask, lengths, truncated = cut_at_eos(ids, eos_token_ids=[2, 9], pad_token_id=2)
     assert lengths.tolist() == [2, 4, 1, 3]
     assert truncated.tolist() == [False, True, False, False]
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]]

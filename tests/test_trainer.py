@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from grpo_companion.core.advantages import degenerate_fractions, group_advantages
 from grpo_companion.lm import trainer
-from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
-from grpo_companion.lm.models import format_prompt
+from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts
-from grpo_companion.core.advantages import degenerate_fractions
 from grpo_companion.lm.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
 
 CONFIG = GRPOConfig(
@@ -44,8 +44,10 @@ def policy(initial):
 
 @pytest.fixture(scope="module")
 def data():
-    return (load_gsm8k("train", source="arithmetic", num_examples=10, seed=0),
-            load_gsm8k("test", source="arithmetic", num_examples=3, seed=0))
+    return (
+        load_gsm8k("train", source="arithmetic", num_examples=10, seed=0),
+        load_gsm8k("test", source="arithmetic", num_examples=3, seed=0),
+    )
 
 
 def _train(policy, data, config=CONFIG, **kwargs):
@@ -58,11 +60,14 @@ def _step_one_rollouts(initial, data, config):
     model, tokenizer = initial
     rows = batch_indices(1, len(data[0]), config.per_step_prompts, config.seed)
     return generate_rollouts(
-        model, tokenizer,
-        [format_prompt(tokenizer, data[0][i]["question"]) for i in rows],
-        [gold_answer(data[0][i]["answer"]) for i in rows],
-        num_generations=config.num_generations, max_completion_length=config.max_completion_length,
-        temperature=config.temperature, seed=rollout_seed(config.seed, 1), reward_fn=has_digit,
+        model,
+        tokenizer,
+        *build_prompts(tokenizer, data[0].select(rows)),
+        num_generations=config.num_generations,
+        max_completion_length=config.max_completion_length,
+        temperature=config.temperature,
+        seed=rollout_seed(config.seed, 1),
+        reward_fn=has_digit,
     )
 
 
@@ -72,13 +77,29 @@ def test_history_has_every_metric_finite(policy, data):
     for record in history:
         assert tuple(record) == METRICS
     assert [record["eval_accuracy"] is not None for record in history] == [True, False, True, True]
-    assert all(value is None for name, value in history[0].items() if name not in ("step", "eval_accuracy"))
+    assert all(
+        value is None for name, value in history[0].items() if name not in ("step", "eval_accuracy")
+    )
     for record in history[1:]:
         for name in METRICS:
             if name != "eval_accuracy":
-                assert record[name] is not None and math.isfinite(record[name]), (record["step"], name)
-        assert 0 <= record["clip_ratio"] <= 1 and record["kl"] >= 0 and record["entropy"] > 0
-        assert 1 <= record["completion_length_mean"] <= record["completion_length_max"] <= CONFIG.max_completion_length
+                assert record[name] is not None and math.isfinite(record[name]), (
+                    record["step"],
+                    name,
+                )
+        clip = [record[f"clip_ratio/{part}_mean"] for part in ("region", "low", "high")]
+        assert clip[0] == pytest.approx(clip[1] + clip[2]) and 0 <= clip[0] <= 1
+        assert record["kl"] >= 0 and record["entropy"] > 0
+        assert (
+            1
+            <= record["completions/min_length"]
+            <= record["completions/mean_length"]
+            <= record["completions/max_length"]
+            <= CONFIG.max_completion_length
+        )
+    # TRL's num_tokens counts every prompt and completion token seen so far.
+    step_tokens = [b["num_tokens"] - a["num_tokens"] for a, b in zip(history[1:], history[2:])]
+    assert history[1]["num_tokens"] > 0 and min(step_tokens) > 0
     json.dumps(history)  # JSON-ready as it is
 
 
@@ -86,13 +107,49 @@ def test_records_agree_with_the_rollouts(initial, policy, data):
     record = _train(policy, data, replace(CONFIG, max_steps=1))[1]
     rollouts = _step_one_rollouts(initial, data, CONFIG)
     groups = degenerate_fractions(rollouts.rewards)
-    assert record["reward_mean"] == pytest.approx(rollouts.rewards.mean().item())
-    assert record["frac_reward_zero_std"] == groups["degenerate"] == groups["all_correct"] + groups["all_wrong"]
-    assert (record["all_correct"], record["all_wrong"]) == (groups["all_correct"], groups["all_wrong"])
-    assert record["completion_length_max"] == rollouts.lengths.max().item()
-    assert record["truncated_fraction"] == rollouts.truncated.double().mean().item()
+    assert record["reward"] == pytest.approx(rollouts.rewards.mean().item())
+    assert record["reward_std"] == pytest.approx(rollouts.rewards.std().item())
+    assert (
+        record["frac_reward_zero_std"]
+        == groups["degenerate"]
+        == groups["all_correct"] + groups["all_wrong"]
+    )
+    assert (record["all_correct"], record["all_wrong"]) == (
+        groups["all_correct"],
+        groups["all_wrong"],
+    )
+    lengths, truncated = rollouts.lengths, rollouts.truncated
+    assert record["completions/max_length"] == lengths.max().item()
+    assert record["completions/min_length"] == lengths.min().item()
+    assert record["completions/clipped_ratio"] == truncated.double().mean().item()
+    assert record["completions/mean_terminated_length"] == pytest.approx(
+        lengths[~truncated].double().mean().item() if (~truncated).any() else 0.0
+    )
+    assert record["num_tokens"] == (
+        rollouts.attention_mask.sum().item()  # prompt (repeated G times) and completion tokens
+    )
     assert record["kl"] is None  # beta = 0: no reference model
-    assert record["clip_ratio"] == 0  # on-policy: the ratio is exactly 1
+    assert record["clip_ratio/region_mean"] == 0  # on-policy: the ratio is exactly 1
+
+
+def test_one_step_by_hand_is_trains_first_step(initial, data):
+    """`reference_and_optimizer` then `grpo_step` at step 1 (chapter 4) give the record and the
+    weights of `train`'s first step, KL reference included."""
+    config = replace(CONFIG, max_steps=1, beta=0.1)
+    trained = copy.deepcopy(initial[0])
+    record = _train((trained, initial[1]), data, config)[1]
+    model, tokenizer = copy.deepcopy(initial[0]), initial[1]
+    reference, optimizer = trainer.reference_and_optimizer(model, config)
+    assert not model.training and not any(p.requires_grad for p in reference.parameters())
+    assert optimizer.defaults["lr"] == config.learning_rate
+    prompts, golds = build_prompts(tokenizer, data[0])
+    by_hand = trainer.grpo_step(
+        model, tokenizer, reference, optimizer, prompts, golds, config, 1, has_digit
+    )
+    assert by_hand == {**record, "eval_accuracy": None} and record["kl"] == 0.0
+    for a, b in zip(trained.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert trainer.reference_and_optimizer(model, replace(config, beta=0.0))[0] is None
 
 
 def test_update_is_the_policy_gradient(initial, policy, data):
@@ -107,13 +164,20 @@ def test_update_is_the_policy_gradient(initial, policy, data):
 
     reference = copy.deepcopy(initial[0])
     rollouts = _step_one_rollouts(initial, data, config)
-    advantages = ((rollouts.rewards - rollouts.rewards.mean(1, keepdim=True))
-                  / (rollouts.rewards.std(1, keepdim=True) + 1e-4)).flatten()
+    advantages = (
+        (rollouts.rewards - rollouts.rewards.mean(1, keepdim=True))
+        / (rollouts.rewards.std(1, keepdim=True) + 1e-4)
+    ).flatten()
     objective = 0.0
-    for i, (prompt, completion) in enumerate(zip(rollouts.prompt_ids[rollouts.prompt_index], rollouts.completion_ids)):
+    for i, (prompt, completion) in enumerate(
+        zip(rollouts.prompt_ids[rollouts.prompt_index], rollouts.completion_ids)
+    ):
         prompt = prompt[rollouts.prompt_mask[i // config.num_generations].bool()]
         completion = completion[: rollouts.lengths[i]]
-        logits = reference(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1] / config.temperature
+        logits = (
+            reference(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+            / config.temperature
+        )
         log_probs = torch.log_softmax(logits, -1).gather(-1, completion[:, None])
         objective = objective + advantages[i] * log_probs.mean()
     gradients = torch.autograd.grad(-objective / len(rollouts.texts), list(reference.parameters()))
@@ -123,7 +187,9 @@ def test_update_is_the_policy_gradient(initial, policy, data):
     for old, new, g in zip(before, model.parameters(), gradients):
         clear = g.abs() > 1e-6
         adam_step = -config.learning_rate * g[clear] / (g[clear].abs() + 1e-8)
-        torch.testing.assert_close((new.detach() - old)[clear], adam_step, rtol=0, atol=1e-3 * config.learning_rate)
+        torch.testing.assert_close(
+            (new.detach() - old)[clear], adam_step, rtol=0, atol=1e-3 * config.learning_rate
+        )
 
 
 def test_same_seed_same_history(initial, data):
@@ -139,7 +205,9 @@ def test_same_seed_same_history(initial, data):
 
 
 def test_resume_repeats_an_uninterrupted_run(initial, data, tmp_path, monkeypatch):
-    config = replace(CONFIG, beta=0.1, num_iterations=2, save_steps=1)  # reference, optimizer state, pi_old
+    config = replace(
+        CONFIG, beta=0.1, num_iterations=2, save_steps=1
+    )  # reference, optimizer state, pi_old
     uninterrupted = copy.deepcopy(initial[0])
     expected = _train((uninterrupted, initial[1]), data, config, checkpoint_dir=tmp_path / "a")
 
@@ -155,29 +223,87 @@ def test_resume_repeats_an_uninterrupted_run(initial, data, tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         _train(copy.deepcopy(initial), data, config, checkpoint_dir=tmp_path / "b")
     monkeypatch.setattr(trainer, "grpo_step", grpo_step)
-    assert [record["step"] for record in json.loads((tmp_path / "b" / "history.json").read_text())] == [0, 1, 2]
-    assert sorted(path.name for path in (tmp_path / "b").iterdir()) == ["checkpoint.pt", "history.json"]
+    assert [
+        record["step"] for record in json.loads((tmp_path / "b" / "history.json").read_text())
+    ] == [0, 1, 2]
+    assert sorted(path.name for path in (tmp_path / "b").iterdir()) == [
+        "checkpoint.pt",
+        "history.json",
+    ]
 
     resumed = copy.deepcopy(initial[0])
-    history = _train((resumed, initial[1]), data, config, checkpoint_dir=tmp_path / "b", resume=True)
+    history = _train(
+        (resumed, initial[1]), data, config, checkpoint_dir=tmp_path / "b", resume=True
+    )
     assert history == expected
     for a, b in zip(uninterrupted.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
     with pytest.raises(ValueError, match="differs in learning_rate"):
-        _train(copy.deepcopy(initial), data, replace(config, learning_rate=1.0), checkpoint_dir=tmp_path / "b", resume=True)
+        _train(
+            copy.deepcopy(initial),
+            data,
+            replace(config, learning_rate=1.0),
+            checkpoint_dir=tmp_path / "b",
+            resume=True,
+        )
     with pytest.raises(ValueError, match="not the initial model"):
-        _train((uninterrupted, initial[1]), data, config, checkpoint_dir=tmp_path / "b", resume=True)
+        _train(
+            (uninterrupted, initial[1]), data, config, checkpoint_dir=tmp_path / "b", resume=True
+        )
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
 def test_micro_batches_give_the_same_step(initial, data, loss_type):
     config = replace(CONFIG, max_steps=1, loss_type=loss_type)
     whole = _train(copy.deepcopy(initial), data, config)[1]
     split = _train(copy.deepcopy(initial), data, replace(config, micro_batch_size=3))[1]
-    assert whole["reward_mean"] == split["reward_mean"]
+    assert whole["reward"] == split["reward"]
     for name in ("loss", "grad_norm", "entropy"):
         assert split[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+
+
+def test_bnpo_averages_the_token_means_of_the_micro_batches(initial, data):
+    """TRL's bnpo: the loss of a step is the mean over its micro-batches of each one's token mean,
+    so unlike dapo it depends on micro_batch_size when micro-batches hold different token counts.
+    At ratio 1 each micro-batch's loss is -sum A_i L_i / sum L_i over its completions."""
+    config = replace(CONFIG, max_steps=1, loss_type="bnpo")
+    rollouts = _step_one_rollouts(initial, data, config)
+    advantages = group_advantages(rollouts.rewards).flatten().double()
+    lengths = rollouts.lengths.double()
+    for size in (16, 4, 6):
+        record = _train(copy.deepcopy(initial), data, replace(config, micro_batch_size=size))[1]
+        parts = [
+            -(advantages[i : i + size] * lengths[i : i + size]).sum() / lengths[i : i + size].sum()
+            for i in range(0, len(lengths), size)
+        ]
+        assert record["loss"] == pytest.approx(sum(parts).item() / len(parts), abs=1e-6)
+    whole = _train(copy.deepcopy(initial), data, config)[1]["loss"]
+    dapo = _train(copy.deepcopy(initial), data, replace(config, loss_type="dapo"))[1]["loss"]
+    assert whole == pytest.approx(dapo, abs=1e-7)  # one micro-batch: bnpo is dapo
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(initial, data):
+    """TRL's mask_truncated_completions: at ratio 1 the dapo loss becomes the token-weighted mean
+    advantage of the completions that ended with EOS."""
+    config = replace(CONFIG, max_steps=1, loss_type="dapo", mask_truncated_completions=True)
+    rollouts = _step_one_rollouts(initial, data, config)
+    assert 0 < rollouts.truncated.double().mean() < 1
+    advantages = group_advantages(rollouts.rewards).flatten().double()
+    lengths = rollouts.lengths.double() * ~rollouts.truncated
+    record = _train(copy.deepcopy(initial), data, config)[1]
+    expected = -(advantages * lengths).sum() / lengths.sum()
+    assert record["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    grpo = _train(copy.deepcopy(initial), data, replace(config, loss_type="grpo"))[1]
+    assert math.isfinite(grpo["loss"])  # empty rows count in B, as TRL's clamp(min=1)
+
+
+def test_trl_settings_are_accepted():
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+    assert GRPOConfig().use_bias_correction_kl is False  # TRL 1.16: True; see the docstring
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        GRPOConfig(importance_sampling_level="step")
 
 
 def test_filtering_degenerate_groups_only_rescales_the_gradient(initial, data):
@@ -191,18 +317,31 @@ def test_filtering_degenerate_groups_only_rescales_the_gradient(initial, data):
     records = {}
     for filter_degenerate in (False, True):
         model, tokenizer = copy.deepcopy(initial)
-        records[filter_degenerate] = train(model, tokenizer, *data, replace(config, filter_degenerate=filter_degenerate),
-                                           reward_fn=mixed_on_odd_golds, progress=False)[1]
+        records[filter_degenerate] = train(
+            model,
+            tokenizer,
+            *data,
+            replace(config, filter_degenerate=filter_degenerate),
+            reward_fn=mixed_on_odd_golds,
+            progress=False,
+        )[1]
     degenerate = records[False]["frac_reward_zero_std"]
     assert 0 < degenerate < 1
-    assert records[True]["grad_norm"] == pytest.approx(records[False]["grad_norm"] / (1 - degenerate), rel=1e-5)
+    assert records[True]["grad_norm"] == pytest.approx(
+        records[False]["grad_norm"] / (1 - degenerate), rel=1e-5
+    )
 
 
 def test_all_groups_filtered_means_no_update(policy, data):
     model, _ = policy
     before = copy.deepcopy(model.state_dict())
-    record = train(*policy, *data, replace(CONFIG, max_steps=1, filter_degenerate=True),
-                   reward_fn=lambda completion, gold: 1.0, progress=False)[1]
+    record = train(
+        *policy,
+        *data,
+        replace(CONFIG, max_steps=1, filter_degenerate=True),
+        reward_fn=lambda completion, gold: 1.0,
+        progress=False,
+    )[1]
     assert record["frac_reward_zero_std"] == record["all_correct"] == 1
     assert record["grad_norm"] == 0 and record["loss"] is None and record["entropy"] is None
     for name, weight in model.state_dict().items():
@@ -214,12 +353,24 @@ def test_reward_rises_under_grpo(policy, data):
     raise its expected value, estimated on 320 completions, by 0.12 to 0.22 for each of the
     seeds 0-9 (checked while writing this test; the estimate's standard error is ~0.025)."""
     model, tokenizer = policy
-    prompts = [format_prompt(tokenizer, question) for question in data[0]["question"]]
-    golds = [gold_answer(answer) for answer in data[0]["answer"]]
+    prompts, golds = build_prompts(tokenizer, data[0])
 
     def expected_reward():
-        return generate_rollouts(model, tokenizer, prompts, golds, num_generations=32, max_completion_length=8,
-                                 seed=123, batch_size=320, reward_fn=has_digit).rewards.mean().item()
+        return (
+            generate_rollouts(
+                model,
+                tokenizer,
+                prompts,
+                golds,
+                num_generations=32,
+                max_completion_length=8,
+                seed=123,
+                batch_size=320,
+                reward_fn=has_digit,
+            )
+            .rewards.mean()
+            .item()
+        )
 
     before = expected_reward()
     _train(policy, data, replace(CONFIG, max_steps=6))

@@ -1,4 +1,4 @@
-r"""Chapter 3: credit assignment -- which tokens of a completion earned its reward?
+r"""Chapter 5: credit assignment -- which tokens of a completion earned its reward?
 
 Outcome reward collapses credit to one scalar per rollout.  For a group of G completions
 o_1..o_G of a prompt q with rewards r_i and advantages A_i (``advantages.group_advantages``),
@@ -26,10 +26,12 @@ and puts each token's weight where the reward was decided.
 
 Two ways to get delta:
 - on a language model, `prefix_values` estimates V(s_t) by Monte Carlo: K continuations sampled
-  from every prefix of every rollout, scored with the same reward (a "rollout value", as in VinePPO);
-- on chapter 1's enumerable `SequencePolicy`, `exact_prefix_values` computes V exactly, and
-  `exact_moments` gives the exact mean and variance of any per-sequence estimator, so the two
-  estimators' variances (and hence the samples each needs for the same accuracy) can be compared.
+  from every prefix of every rollout, scored with the same reward (a "rollout value", as in
+  VinePPO);
+- on chapter 1's enumerable `SequencePolicy`, `policy_gradient.exact_prefix_values` computes V
+  exactly, and `exact_moments` gives the exact mean and variance of any per-sequence estimator,
+  so the two estimators' variances (and hence the samples each needs for the same accuracy) can
+  be compared.
 
 `token_classes` sorts the tokens of arithmetic worked answers ("12+5=17\n17-3=14\n#### 14") into
 operands, intermediate results, the last worked result, the final answer and format, to see
@@ -39,13 +41,13 @@ where credit lies.
 import re
 from dataclasses import dataclass, replace
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
 from grpo_companion.lm import gsm8k
-from grpo_companion.core.policy_gradient import SequencePolicy
 
 # rollouts' sampler, with every logits processor off; shared so that a resampled continuation
 # comes from exactly the distribution the rollouts were drawn from.
@@ -58,6 +60,10 @@ from grpo_companion.lm.rollouts import (
 )
 
 TOKEN_CLASSES = ("operand", "result", "last_result", "answer", "format")
+# The digits that a worked line or the answer computes.
+COMPUTED_CLASSES = ["result", "last_result", "answer"]
+# Columns of `class_share_table`, by the prefix of their recorded keys.
+SHARE_COLUMNS = {"token": "tokens", "outcome": "outcome A^2", "credit": "credit delta^2"}
 _RESULT = re.compile(r"=\s*(-?\d+)")
 
 
@@ -98,6 +104,24 @@ def select_groups(rollouts: Rollouts, groups: list[int]) -> Rollouts:
         texts=[rollouts.texts[row] for row in rows.tolist()],
         rewards=rollouts.rewards[groups],
     )
+
+
+def choose_groups(rewards: Tensor, num_groups: int) -> tuple[list[int], dict]:
+    """The first `num_groups` groups of rewards (num_prompts, G), mixed groups (some right, some
+    wrong) before the others, each kind in its original order: no other selection.
+
+    Returns the chosen indices and what the choice saw: "mixed_groups" and "sampled_groups"
+    (counts), "pass_rate" (of all rollouts), "num_chosen_groups", "chosen_mixed_groups".
+    """
+    mixed = (rewards.std(dim=1) > 0).tolist()
+    chosen = sorted(range(len(mixed)), key=lambda group: not mixed[group])[:num_groups]
+    return chosen, {
+        "mixed_groups": sum(mixed),
+        "sampled_groups": len(mixed),
+        "pass_rate": rewards.mean().item(),
+        "num_chosen_groups": len(chosen),
+        "chosen_mixed_groups": sum(mixed[group] for group in chosen),
+    }
 
 
 @dataclass
@@ -219,6 +243,33 @@ def prefix_values(
     return PrefixValues(values, standard_errors, num_resamples)
 
 
+def prefix_value_summary(estimate: PrefixValues, rollouts: Rollouts) -> dict:
+    """What the estimate of `prefix_values` cost, how noisy it is, and a consistency check.
+
+    Returns "num_resamples" (K) and "num_continuations" (sampled in all); the mean standard
+    error of a token's credit "mean_credit_standard_error", and "credit_mean_row_spread", the
+    mean max - min of the credit along a completion; the two estimates of each group's V(prompt),
+    "prompt_values" (the mean of its G resampled V(s_0)) and "group_pass_rates", (num_groups,),
+    and "prompt_value_max_gap_in_errors": their largest gap in units of the pass rate's binomial
+    standard error (the larger of the two noises).
+    """
+    mask = rollouts.completion_mask.bool()
+    group_size = rollouts.rewards.shape[1]
+    prompt_values = estimate.values[:, 0].view(-1, group_size).mean(dim=1)
+    pass_rates = rollouts.rewards.mean(dim=1)
+    pass_rate_errors = (prompt_values * (1 - prompt_values) / group_size).sqrt()
+    gaps = (pass_rates - prompt_values).abs() / pass_rate_errors.clamp(min=1e-12)
+    return {
+        "num_resamples": estimate.num_resamples,
+        "num_continuations": int(rollouts.lengths.sum()) * estimate.num_resamples,
+        "mean_credit_standard_error": estimate.credit_standard_errors[mask].mean().item(),
+        "credit_mean_row_spread": row_spread(estimate.credit, mask).mean().item(),
+        "prompt_values": prompt_values,
+        "group_pass_rates": pass_rates,
+        "prompt_value_max_gap_in_errors": gaps.max().item(),
+    }
+
+
 def _continue(
     model, input_ids: Tensor, attention_mask: Tensor, config, num_resamples: int
 ) -> Tensor:
@@ -285,6 +336,21 @@ def intermediate_results(text: str) -> list[str]:
     return [match.group(1) for match in matches if match]
 
 
+def rewarded_wrong_steps(rollouts: Rollouts, reference_answers: list[str]) -> dict[str, int]:
+    """How many rollouts are rewarded ("rewarded_rollouts"), and how many of those have
+    `intermediate_results` that differ from their reference solution's, one worked answer per
+    group ("rewarded_with_wrong_steps"): an outcome reward rewards them all the same.
+    """
+    steps = [intermediate_results(answer) for answer in reference_answers]
+    groups = rollouts.prompt_index.tolist()
+    wrong = [intermediate_results(text) != steps[g] for g, text in zip(groups, rollouts.texts)]
+    rewarded = rollouts.rewards.reshape(-1).bool().tolist()
+    return {
+        "rewarded_rollouts": sum(rewarded),
+        "rewarded_with_wrong_steps": sum(r and w for r, w in zip(rewarded, wrong)),
+    }
+
+
 def class_shares(weights: Tensor, classes: Tensor) -> Tensor:
     """Share of the total weight on each of `TOKEN_CLASSES`, (num_classes,).
 
@@ -298,79 +364,31 @@ def class_shares(weights: Tensor, classes: Tensor) -> Tensor:
     return totals / total if total > 0 else torch.zeros_like(totals)
 
 
-# --- exact version on chapter 1's enumerable policy ------------------------------------------
+def class_share_table(
+    mask: Tensor, outcome_advantages: Tensor, squared_credit: Tensor, classes: Tensor
+) -> pd.DataFrame:
+    """`class_shares` of the tokens, of the outcome advantages' A_i^2 and of the credit's
+    delta_t^2, a column each (`SHARE_COLUMNS`), indexed by `TOKEN_CLASSES`.
 
-
-def answer_reward(sequences: Tensor, vocab_size: int, positions: list[int]) -> Tensor:
-    """Binary reward, (n,): 1 when the last token equals the sum of the tokens at `positions`
-    mod `vocab_size`. Those positions are the "intermediate results" the answer depends on;
-    the others are filler that matters only through what the policy writes next."""
-    answer = sequences[:, positions].sum(dim=1) % vocab_size
-    return (sequences[:, -1] == answer).to(torch.float64)
-
-
-def exact_prefix_values(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> Tensor:
-    """V(y_<t) = E[r | y_<t] for every sequence and t = 0..length, (num_sequences, length + 1).
-
-    Sequences are numbered lexicographically, so those sharing the first t tokens are the
-    consecutive blocks of vocab_size ** (length - t): each value is a block's
-    probability-weighted mean reward. Column 0 is J, the last column r itself.
+    mask, outcome_advantages (`token_advantages`), squared_credit
+    (`PrefixValues.squared_credit`), classes (`token_classes`): (N, T).
     """
-    probs = policy.probs(logits)
-    columns = []
-    for t in range(policy.length + 1):
-        block = policy.vocab_size ** (policy.length - t)
-        mass = probs.view(-1, block).sum(dim=1)
-        value = (probs * rewards).view(-1, block).sum(dim=1) / mass
-        columns.append(value.repeat_interleave(block))
-    return torch.stack(columns, dim=1)
-
-
-def token_scores(policy: SequencePolicy, logits: Tensor, sequences: Tensor) -> Tensor:
-    """grad log pi(y_t | y_<t) of each token, (n, length, num_params), by autograd."""
-    jacobian = torch.autograd.functional.jacobian(
-        lambda z: policy.token_log_probs(z, sequences), logits, vectorize=True
+    weights = [mask.double(), outcome_advantages.square().double(), squared_credit.double()]
+    return pd.DataFrame(
+        {
+            column: class_shares(w, classes).numpy()
+            for column, w in zip(SHARE_COLUMNS.values(), weights)
+        },
+        index=pd.Index(TOKEN_CLASSES, name="token class"),
     )
-    return jacobian.flatten(start_dim=2)
 
 
-def per_sequence_estimates(coefficients: Tensor, scores: Tensor) -> Tensor:
-    """g(y) = sum_t c_t(y) grad log pi(y_t | y_<t): one single-sample estimate per sequence.
-
-    coefficients: (n, length), e.g. `token_advantages` (outcome) or a diff of
-    `exact_prefix_values` (token level); scores: (n, length, num_params). Returns (n, num_params).
-    """
-    return torch.einsum("nt,ntp->np", coefficients, scores)
-
-
-def exact_moments(probs: Tensor, estimates: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean (num_params,) and variance (trace of the covariance) of a single-sample estimator
-    taking the value estimates[y] with probability probs[y]. Divide the variance by n for the
-    mean of n samples."""
-    mean = probs @ estimates
-    variance = probs @ estimates.square().sum(dim=1) - mean.square().sum()
-    return mean, variance
-
-
-def sampled_errors(
-    probs: Tensor,
-    estimates: Tensor,
-    exact: Tensor,
-    sample_sizes: list[int],
-    num_repeats: int,
-    seed: int,
-) -> Tensor:
-    """||mean of n sampled estimates - exact||^2, (len(sample_sizes), num_repeats).
-
-    Counting how often each sequence is drawn turns a sample mean into one matmul.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for n in sample_sizes:
-        draws = torch.multinomial(probs, n * num_repeats, replacement=True, generator=generator)
-        counts = torch.zeros(num_repeats, len(probs), dtype=estimates.dtype)
-        counts.scatter_add_(
-            1, draws.view(num_repeats, n), torch.ones(num_repeats, n, dtype=estimates.dtype)
-        )
-        rows.append((counts / n @ estimates - exact).square().sum(dim=1))
-    return torch.stack(rows)
+def class_share_records(shares: pd.DataFrame) -> dict[str, float]:
+    """`<kind>_share_<class>` for each kind of `SHARE_COLUMNS` and class of `TOKEN_CLASSES`, and
+    `<kind>_share_result_and_answer`, the share of the `COMPUTED_CLASSES` together."""
+    records = {}
+    for kind, column in SHARE_COLUMNS.items():
+        for name in TOKEN_CLASSES:
+            records[f"{kind}_share_{name}"] = shares.loc[name, column]
+        records[f"{kind}_share_result_and_answer"] = shares.loc[COMPUTED_CLASSES, column].sum()
+    return records

@@ -1,4 +1,4 @@
-r"""Chapter 8: the group size G, through the U-statistic view of GRPO's gradient.
+r"""Chapter 10: the group size G, through the U-statistic view of GRPO's gradient.
 
 The U-statistic
 ---------------
@@ -35,13 +35,13 @@ estimators of the chapter and their exact MSE at group size G, for one prompt:
 A fixed sampling budget
 -----------------------
 A step samples N = B x G completions: B prompts, a group of G for each. Prompts differ in pass
-rate p. The model (`budget_moments`) is chapter 7's Bernoulli-logit prompt with one parameter
+rate p. The model (`budget_moments`) is chapter 9's Bernoulli-logit prompt with one parameter
 shared by all prompts, a skill theta with p_x = sigmoid(theta - difficulty_x), plus reward-
-irrelevant score noise (`grpo_companion.core.exact`, "Score noise"). With m_x, v_x the mean and
-variance of one prompt's group estimate and t_x = p_x (1 - p_x) its true gradient, the batch
+irrelevant score noise (`grpo_companion.core.exact`, "Score noise"). With m_x, sigma_x^2 the mean
+and variance of one prompt's group estimate and t_x = p_x (1 - p_x) its true gradient, the batch
 estimate (1/B) sum_b g_b has
 
-    MSE(G) = (E_x m_x - E_x t_x)^2 + (G / N) (E_x v_x + Var_x m_x).
+    MSE(G) = (E_x m_x - E_x t_x)^2 + (G / N) (E_x sigma_x^2 + Var_x m_x).
 
 The bias does not shrink with the budget; the rest does, like G / N. For an unbiased estimator
 (m_x = t_x) the budget factors out: the best G is the same for every N. For RLOO,
@@ -59,9 +59,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grpo_companion.core.advantages import group_advantages
-from grpo_companion.core.exact import estimator_moments
+from grpo_companion.core.exact import (
+    GROUP_FREE,
+    beta_quadrature,
+    estimator_moments,
+    reward_geometry,
+)
+from grpo_companion.core.group_estimators import (
+    estimator_advantages,
+    group_gradient,
+    sample_group_estimates,
+)
 from grpo_companion.core.policy_gradient import SequencePolicy
+
+# The estimators of the chapter: label -> method of `estimator_advantages` / `estimator_moments`.
+ESTIMATORS = {
+    "no baseline": "no_baseline",
+    "oracle, b = J": "oracle",
+    "group mean": "dr_grpo",
+    "RLOO = U": "rloo",
+    "GRPO (std)": "grpo",
+}
+# The budget comparison leaves GRPO's std out: it rescales prompts, a separate question (ch. 9).
+BUDGET_ESTIMATORS = {label: method for label, method in ESTIMATORS.items() if method != "grpo"}
 
 # -- the U-statistic on a sampled group -------------------------------------------------------
 
@@ -80,56 +100,31 @@ def u_statistic(scores: Tensor, rewards: Tensor) -> Tensor:
     return pair_sum / math.comb(group_size, 2)
 
 
-def estimator_advantages(rewards: Tensor, method: str, value=None, **options) -> Tensor:
-    """Advantages `(..., G)` of the chapter's estimators.
-
-    `method` in `grpo_companion.core.advantages.METHODS` goes to `group_advantages` with `options`;
-    "no_baseline" is A = r and "oracle" A = r - value, with `value` the true value J of the
-    group's prompt (a number, or a tensor broadcastable to `(..., 1)`).
-    """
-    if method == "no_baseline":
-        return rewards
-    if method == "oracle":
-        if value is None:
-            raise ValueError("method 'oracle' needs the true value J as value=...")
-        return rewards - value
-    flat = rewards.reshape(-1, rewards.shape[-1])
-    return group_advantages(flat, method, **options).reshape(rewards.shape)
-
-
-def group_gradient(
-    scores: Tensor, rewards: Tensor, method: str = "dr_grpo", *, value=None, **options
-) -> Tensor:
-    """GRPO's per-group estimate g = (1/G) sum_i A_i s_i at ratio 1 (the first step on a batch).
-
-    `scores: (..., G, num_params)`, `rewards: (..., G)`; returns `(..., num_params)`.
-    """
-    advantages = estimator_advantages(rewards, method, value, **options)
-    return (advantages[..., None] * scores).mean(dim=-2)
-
-
-def sample_group_gradients(
+def u_statistic_identity_error(
     policy: SequencePolicy,
     logits: Tensor,
     rewards: Tensor,
-    group_size: int,
+    group_sizes,
     num_groups: int,
     generator: torch.Generator,
-    method: str = "dr_grpo",
-    **options,
-) -> Tensor:
-    """`group_gradient` of `num_groups` independent groups of G sequences drawn from pi,
-    `(num_groups, num_params)`; `rewards: (num_sequences,)` is the reward table.
+) -> float:
+    """Largest |entry| of g_mean - (1 - 1/G) U and g_rloo - U over `num_groups` sampled groups
+    at each G in `group_sizes` (drawn in that order): zero up to rounding.
 
-    Each group's A_i / G are added onto the sequences it holds, `(num_groups, num_sequences)`,
-    and one matmul with the score table gives every g: no `(num_groups, G, num_params)` tensor.
+    `rewards: (num_sequences,)` is the reward table; g is `group_gradient` of the group's
+    advantages, U the pairwise `u_statistic`.
     """
-    draws = policy.sample(logits, num_groups * group_size, generator).view(num_groups, group_size)
-    value = float(policy.objective(logits, rewards)) if method == "oracle" else None
-    advantages = estimator_advantages(rewards[draws], method, value, **options)
-    per_sequence = torch.zeros(num_groups, policy.num_sequences, dtype=advantages.dtype)
-    per_sequence.scatter_add_(1, draws, advantages / group_size)
-    return per_sequence @ policy.scores(logits, policy.all_sequences())
+    score_table = policy.scores(logits, policy.all_sequences())
+    largest_gap = 0.0
+    for G in group_sizes:
+        draws = policy.sample(logits, num_groups * G, generator).view(num_groups, G)
+        scores, group_rewards = score_table[draws], rewards[draws]
+        u = u_statistic(scores, group_rewards)
+        mean_self = group_gradient(scores, estimator_advantages(group_rewards, "dr_grpo"))
+        rloo = group_gradient(scores, estimator_advantages(group_rewards, "rloo"))
+        gaps = [mean_self - (1 - 1 / G) * u, rloo - u]
+        largest_gap = max(largest_gap, *(float(gap.abs().max()) for gap in gaps))
+    return largest_gap
 
 
 # -- exact moments on the enumerable sequence policy ------------------------------------------
@@ -157,38 +152,44 @@ def kernel_variances(policy: SequencePolicy, logits: Tensor, rewards: Tensor) ->
     }
 
 
+def kernel_table(kernel: dict, variance_oracle: float, variance_no_baseline: float):
+    """`kernel_variances` next to chapter 1's one-sample variances Var[g_J] (oracle) and
+    Var[g_0] (no baseline): a one-column DataFrame, 4 zeta_1 = Var[g_J] to rounding."""
+    import pandas as pd
+
+    return pd.Series(
+        {
+            "J (pass rate)": kernel["value"],
+            "zeta_1": kernel["zeta_1"],
+            "zeta_2": kernel["zeta_2"],
+            "4 zeta_1": 4 * kernel["zeta_1"],
+            "Var[g_J], chapter 1": variance_oracle,
+            "Var[g_0], chapter 1": variance_no_baseline,
+            "||grad J||^2": kernel["gradient_sq_norm"],
+        },
+        name="value",
+    ).to_frame()
+
+
 def u_statistic_variance(zeta_1, zeta_2, group_size):
     """Var(U) = C(G, 2)^{-1} [2 (G - 2) zeta_1 + zeta_2]; broadcasts over numpy arrays."""
     group_size = np.asarray(group_size, dtype=np.float64)
     return (2 * (group_size - 2) * zeta_1 + zeta_2) / (group_size * (group_size - 1) / 2)
 
 
-def reward_geometry(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> dict[str, float]:
-    """What the moments of any binary-reward group estimator depend on (`grpo_companion.core.exact`).
+def closed_form_mse(kernel: dict, variance_no_baseline: float, group_sizes) -> dict:
+    """The MSE column of the module docstring's table, for each G: label -> `(len(group_sizes),)`.
 
-    Returns "pass_rate" p = J; "kappa" = ||u||^2 with u = grad p / (p (1 - p)); and
-    "noise_correct", "noise_incorrect": tr Cov(s | r) for r = 1 and r = 0, divided by kappa
-    (the `score_noise` of `estimator_moments`). `rewards` must be binary and 0 < p < 1.
+    `kernel` is `kernel_variances`'s dict, `variance_no_baseline` chapter 1's Var[g_0] = Var(r s)
+    of one sample. GRPO with its std has no such closed form and is left out.
     """
-    if not ((rewards == 0) | (rewards == 1)).all():
-        raise ValueError("reward_geometry needs binary rewards in {0, 1}")
-    probs = policy.probs(logits).detach()
-    p = float(probs @ rewards)
-    if not 0 < p < 1:
-        raise ValueError(f"need 0 < pass rate < 1, got {p}")
-    squared_norms = policy.scores(logits, policy.all_sequences()).square().sum(dim=1)
-    gradient_sq_norm = float(policy.exact_gradient(logits, rewards).square().sum())
-    kappa = gradient_sq_norm / (p * (1 - p)) ** 2
-    # E[||s||^2 | r] - ||E[s | r]||^2, with E[s | 1] = grad p / p and E[s | 0] = -grad p / (1 - p).
-    noise_correct = float((probs * rewards) @ squared_norms) / p - gradient_sq_norm / p**2
-    noise_incorrect = (
-        float((probs * (1 - rewards)) @ squared_norms) / (1 - p) - gradient_sq_norm / (1 - p) ** 2
-    )
+    G = np.asarray(group_sizes, dtype=np.float64)
+    variance_u = u_statistic_variance(kernel["zeta_1"], kernel["zeta_2"], G)
     return {
-        "pass_rate": p,
-        "kappa": kappa,
-        "noise_correct": noise_correct / kappa,
-        "noise_incorrect": noise_incorrect / kappa,
+        "no baseline": variance_no_baseline / G,
+        "oracle, b = J": 4 * kernel["zeta_1"] / G,
+        "group mean": (1 - 1 / G) ** 2 * variance_u + kernel["gradient_sq_norm"] / G**2,
+        "RLOO = U": variance_u,
     }
 
 
@@ -221,7 +222,61 @@ def sequence_policy_moments(
     }
 
 
+def exact_mse(policy, logits, rewards, group_sizes, estimators=ESTIMATORS) -> dict:
+    """`sequence_policy_moments`'s MSE for each G: label -> `(len(group_sizes),)`."""
+    return {
+        label: np.array(
+            [
+                sequence_policy_moments(policy, logits, rewards, G, method)["mse"]
+                for G in group_sizes
+            ]
+        )
+        for label, method in estimators.items()
+    }
+
+
+def sampled_mse(
+    policy, logits, rewards, group_sizes, num_groups, generator, estimators=ESTIMATORS
+) -> dict:
+    """Monte Carlo MSE E||g - grad J||^2 from `num_groups` groups at each G (label by label,
+    then G by G, from one `generator`): label -> (mean, standard error), each
+    `(len(group_sizes),)`."""
+    gradient = policy.exact_gradient(logits, rewards)
+    sampled = {}
+    for label, method in estimators.items():
+        estimates = [
+            sample_group_estimates(policy, logits, rewards, G, num_groups, generator, method)
+            for G in group_sizes
+        ]
+        errors = [(estimate - gradient).square().sum(dim=1) for estimate in estimates]
+        sampled[label] = (
+            np.array([float(e.mean()) for e in errors]),
+            np.array([float(e.std()) for e in errors]) / np.sqrt(num_groups),
+        )
+    return sampled
+
+
+def max_relative_gap(curves: dict, references: dict) -> float:
+    """max over labels and points of |curves[label] / references[label] - 1|."""
+    return float(max(np.max(np.abs(curves[label] / ref - 1)) for label, ref in references.items()))
+
+
+def z_scores(sampled: dict, exact: dict) -> np.ndarray:
+    """(Monte Carlo mean - exact) / standard error, every label's points concatenated."""
+    return np.concatenate(
+        [
+            (mean - exact[label]) / standard_error
+            for label, (mean, standard_error) in sampled.items()
+        ]
+    )
+
+
 # -- a fixed budget N = B x G over prompts of different difficulty ----------------------------
+
+
+def smallest_group_size(method: str) -> int:
+    """1 for the group-free baselines, 2 for a baseline built from the group."""
+    return 1 if method in GROUP_FREE else 2
 
 
 def budget_moments(
@@ -248,6 +303,24 @@ def budget_moments(
     return {"bias_sq": bias_sq, "variance": variance, "mse": bias_sq + variance}
 
 
+def budget_mse_curves(pass_rates, weights, group_sizes, budget, estimators, *, score_noise=0.0):
+    """`budget_moments`'s MSE at budget N for each G: label -> `(len(group_sizes),)`, nan where
+    G is below the estimator's `smallest_group_size`."""
+    return {
+        label: np.array(
+            [
+                budget_moments(pass_rates, weights, G, budget, method, score_noise=score_noise)[
+                    "mse"
+                ]
+                if G >= smallest_group_size(method)
+                else np.nan
+                for G in group_sizes
+            ]
+        )
+        for label, method in estimators.items()
+    }
+
+
 def best_group_size(pass_rates, weights, budgets, group_sizes, method="dr_grpo", **kwargs):
     """For each budget N, the G in `group_sizes` with the least `budget_moments` MSE.
 
@@ -266,6 +339,17 @@ def best_group_size(pass_rates, weights, budgets, group_sizes, method="dr_grpo",
     return np.asarray(group_sizes)[np.argmin(mse, axis=1)], mse
 
 
+def best_group_sizes(pass_rates, weights, budgets, max_group_size, estimators, **kwargs) -> dict:
+    """`best_group_size` searched over every integer G from the estimator's
+    `smallest_group_size` to `max_group_size`: label -> {budget: best G}."""
+    best = {}
+    for label, method in estimators.items():
+        search = list(range(smallest_group_size(method), max_group_size + 1))
+        best_sizes, _ = best_group_size(pass_rates, weights, budgets, search, method, **kwargs)
+        best[label] = dict(zip(budgets, best_sizes.tolist(), strict=True))
+    return best
+
+
 def rloo_best_group_size(pass_rates, weights, *, score_noise=0.0):
     """G* = 1 + sqrt((2 zeta_2 - 4 zeta_1) / Var_x t_x) for RLOO (module docstring), real-valued.
 
@@ -280,6 +364,25 @@ def rloo_best_group_size(pass_rates, weights, *, score_noise=0.0):
     true_gradients = pass_rates * (1 - pass_rates)
     between_prompts = weights @ (true_gradients - weights @ true_gradients) ** 2
     return 1 + float(np.sqrt((2 * zeta_2 - four_zeta_1) / between_prompts))
+
+
+def beta_with_mean(mean, concentration, num_nodes=128):
+    """`beta_quadrature` of the Beta(a, b) with a / (a + b) = mean and a + b = concentration."""
+    return beta_quadrature(mean * concentration, (1 - mean) * concentration, num_nodes)
+
+
+def rloo_best_group_size_table(means, concentrations, *, score_noise=0.0) -> np.ndarray:
+    """`rloo_best_group_size` for Beta pass rates of each mean (columns) and concentration a + b
+    (rows): `(len(concentrations), len(means))`."""
+    return np.array(
+        [
+            [
+                rloo_best_group_size(*beta_with_mean(mean, concentration), score_noise=score_noise)
+                for mean in means
+            ]
+            for concentration in concentrations
+        ]
+    )
 
 
 def sample_batch_errors(
@@ -311,3 +414,65 @@ def sample_batch_errors(
     skill = (advantages * (rewards - pass_rates)).mean(axis=2).mean(axis=1)
     style = (advantages * noise).mean(axis=2).mean(axis=1)
     return (skill - true_gradient) ** 2 + style**2
+
+
+def budget_monte_carlo(
+    pass_rates, weights, beta, group_sizes, budget, num_batches, rng, estimators, **kwargs
+):
+    """Monte Carlo check of `budget_moments` at budget N: `sample_batch_errors` with pass rates
+    ~ Beta(*beta), for each estimator then each G in `group_sizes` (one `rng`, in that order).
+
+    `pass_rates`, `weights` are the quadrature of that Beta (`beta_quadrature`), which gives the
+    true gradient and the exact MSEs. Returns: label -> list of `(num_batches,)` squared errors,
+    and the z-scores (mean - exact MSE) / standard error of every point, a list.
+    """
+    true_gradient = float(weights @ (pass_rates * (1 - pass_rates)))
+
+    def beta_sampler(generator, size):
+        return generator.beta(*beta, size)
+
+    checks = {
+        label: [
+            sample_batch_errors(
+                beta_sampler, G, budget, num_batches, rng, method, true_gradient=true_gradient,
+                **kwargs,
+            )
+            for G in group_sizes
+        ]
+        for label, method in estimators.items()
+    }  # fmt: skip
+    exact = budget_mse_curves(pass_rates, weights, group_sizes, budget, estimators, **kwargs)
+    z = [
+        (errors.mean() - mse) / (errors.std() / np.sqrt(num_batches))
+        for label, errors_by_size in checks.items()
+        for errors, mse in zip(errors_by_size, exact[label], strict=True)
+    ]
+    return checks, z
+
+
+def budget_optima(pass_rates, weights, best: dict, budget, estimators, **kwargs) -> dict:
+    """The best G at budget N and its `budget_moments` MSE: label -> (G, mse); `best` is
+    `best_group_sizes`'s dict."""
+    return {
+        label: (
+            best[label][budget],
+            budget_moments(pass_rates, weights, best[label][budget], budget, method, **kwargs)[
+                "mse"
+            ],
+        )
+        for label, method in estimators.items()
+    }
+
+
+def oracle_property_summary(exact: dict, group_sizes) -> dict[str, float]:
+    """How far RLOO and the group mean sit from the oracle, from `exact_mse`'s curves: RLOO's
+    relative excess MSE at the smallest and largest G, that excess times the largest G, and the
+    group mean's MSE over the oracle's at the smallest G."""
+    rloo_excess = exact["RLOO = U"] / exact["oracle, b = J"] - 1
+    group_mean_over_oracle = exact["group mean"] / exact["oracle, b = J"]
+    return {
+        "rloo_excess_smallest": float(rloo_excess[0]),
+        "rloo_excess_largest": float(rloo_excess[-1]),
+        "rloo_excess_times_g_largest": float(rloo_excess[-1] * group_sizes[-1]),
+        "group_mean_over_oracle_smallest": float(group_mean_over_oracle[0]),
+    }

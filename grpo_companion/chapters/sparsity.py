@@ -17,23 +17,25 @@ decreases in kappa (its derivative is j (m - 1) / (kappa + j)^2 <= 0). So the ra
 monotonically from 1 (kappa -> 0: every prompt always or never solved) to f(m) (kappa -> inf:
 every prompt at pass rate m), and a target rate in between fixes kappa: `beta_concentration_for`.
 
+Section 1 checks the closed forms by simulation: `simulated_beta_rates` draws prompts and
+groups, `monte_carlo_check` compares, and `random_jensen_gaps` evaluates the gap on random
+discrete pass-rate distributions.
+
 Estimators take plain tensors from any rollout batch: rewards (num_prompts, G), advantages
-(num_prompts, G) or flattened, and completion_mask (num_prompts * G, max_completion_length).
-`per_group_gradients` splits a batch's policy gradient into one term per group, so the share
-carried by the mixed groups (`gradient_share`) can be measured on a real model. Across training
-runs, `metric_by_step`, `seed_band` and `fitted_trend` aggregate `trainer.train` histories over
-seeds, treating runs (not steps) as the independent units.
+(num_prompts, G) or flattened, and completion_mask (num_prompts * G, max_completion_length);
+`gradient_share` says how much of a batch's gradient the mixed groups carry. The measurements on
+language models (per-group gradients, training runs over seeds, a pretrained model's samples)
+are in `sparsity_lm`, the figures in `sparsity_plots`.
 """
 
 import numpy as np
+import pandas as pd
 import torch
 from scipy.optimize import brentq
 from torch import Tensor
 
 from grpo_companion.core.advantages import zero_std_groups
 from grpo_companion.core.exact import check_group_size, check_pass_rates
-from grpo_companion.core.losses import grpo_loss
-from grpo_companion.lm.rollouts import sequence_log_probs
 
 
 def iid_degenerate_rate(pass_rates, group_size):
@@ -57,8 +59,10 @@ def mixture_degenerate_rate(pass_rates, weights, group_size):
     weights = np.asarray(weights, dtype=np.float64)
     shape = rates["degenerate"].shape
     if weights.shape != shape or not np.all(weights >= 0) or weights.sum() <= 0:
-        raise ValueError(f"weights must be non-negative, not all zero, with the shape of "
-                         f"pass_rates {shape}; got shape {weights.shape}")
+        raise ValueError(
+            f"weights must be non-negative, not all zero, with the shape of "
+            f"pass_rates {shape}; got shape {weights.shape}"
+        )
     return {key: float(weights @ value / weights.sum()) for key, value in rates.items()}
 
 
@@ -91,10 +95,13 @@ def iid_pass_rates_for(degenerate_rate, group_size):
     group_size = check_group_size(group_size)
     floor = 2.0 ** (1 - group_size)
     if not floor <= degenerate_rate <= 1:
-        raise ValueError(f"at G = {group_size} an i.i.d. degenerate rate lies in "
-                         f"[2^(1-G), 1] = [{floor:.4g}, 1], got {degenerate_rate}")
-    p = brentq(lambda p: p**group_size + (1 - p) ** group_size - degenerate_rate, 0.0, 0.5,
-               xtol=1e-14)
+        raise ValueError(
+            f"at G = {group_size} an i.i.d. degenerate rate lies in "
+            f"[2^(1-G), 1] = [{floor:.4g}, 1], got {degenerate_rate}"
+        )
+    p = brentq(
+        lambda p: p**group_size + (1 - p) ** group_size - degenerate_rate, 0.0, 0.5, xtol=1e-14
+    )
     return p, 1 - p
 
 
@@ -110,8 +117,10 @@ def beta_concentration_for(degenerate_rate, mean, group_size):
         raise ValueError(f"mean pass rate must lie in (0, 1), got {mean}")
     iid = float(iid_degenerate_rate(mean, group_size)["degenerate"][0])
     if not iid < degenerate_rate < 1:
-        raise ValueError(f"at G = {group_size} and mean pass rate {mean} a Beta gives a rate in "
-                         f"(f(mean), 1) = ({iid:.4g}, 1), got {degenerate_rate}")
+        raise ValueError(
+            f"at G = {group_size} and mean pass rate {mean} a Beta gives a rate in "
+            f"(f(mean), 1) = ({iid:.4g}, 1), got {degenerate_rate}"
+        )
 
     def excess(log_kappa):
         a, b = mean * np.exp(log_kappa), (1 - mean) * np.exp(log_kappa)
@@ -119,13 +128,16 @@ def beta_concentration_for(degenerate_rate, mean, group_size):
 
     bound = np.log(1e12)
     if excess(-bound) < 0 or excess(bound) > 0:
-        raise ValueError(f"rate {degenerate_rate} is too close to the limits ({iid:.4g}, 1) "
-                         f"to solve for kappa in [1e-12, 1e12]")
+        raise ValueError(
+            f"rate {degenerate_rate} is too close to the limits ({iid:.4g}, 1) "
+            f"to solve for kappa in [1e-12, 1e12]"
+        )
     return float(np.exp(brentq(excess, -bound, bound, xtol=1e-12)))
 
 
-def zero_advantage_fractions(advantages: Tensor, completion_mask: Tensor,
-                             atol: float = 1e-8) -> dict:
+def zero_advantage_fractions(
+    advantages: Tensor, completion_mask: Tensor, atol: float = 1e-8
+) -> dict:
     """Fractions of rollouts and of completion tokens whose advantage is |A| <= atol.
 
     Args: advantages (num_prompts, G) or (num_prompts * G,); completion_mask
@@ -134,8 +146,10 @@ def zero_advantage_fractions(advantages: Tensor, completion_mask: Tensor,
     """
     advantages = advantages.reshape(-1)
     if completion_mask.dim() != 2 or completion_mask.shape[0] != advantages.numel():
-        raise ValueError(f"completion_mask must be (num_rollouts = {advantages.numel()}, T), "
-                         f"got shape {tuple(completion_mask.shape)}")
+        raise ValueError(
+            f"completion_mask must be (num_rollouts = {advantages.numel()}, T), "
+            f"got shape {tuple(completion_mask.shape)}"
+        )
     # A tolerance, not == 0: the mean of G equal floats need not round back to their value, so
     # a constant group's centred rewards can be ~1e-17 (~1e-13 after GRPO's division by eps).
     zero = (advantages.abs() <= atol).double()
@@ -150,8 +164,10 @@ def group_gradients(advantages: Tensor, scores: Tensor) -> Tensor:
     pi(o_i) per rollout, in prompt-major order.
     """
     if advantages.dim() != 2 or scores.dim() != 2 or scores.shape[0] != advantages.numel():
-        raise ValueError(f"need advantages (num_prompts, G) and scores (num_prompts * G, P), got "
-                         f"shapes {tuple(advantages.shape)} and {tuple(scores.shape)}")
+        raise ValueError(
+            f"need advantages (num_prompts, G) and scores (num_prompts * G, P), got "
+            f"shapes {tuple(advantages.shape)} and {tuple(scores.shape)}"
+        )
     num_prompts, group_size = advantages.shape
     return (advantages[..., None] * scores.view(num_prompts, group_size, -1)).mean(dim=1)
 
@@ -166,8 +182,10 @@ def gradient_share(group_gradients: Tensor, mask: Tensor) -> float:
     """
     shape = tuple(group_gradients.shape)
     if len(shape) != 2 or tuple(mask.shape) != shape[:1] or mask.dtype != torch.bool:
-        raise ValueError(f"need group_gradients (num_groups, P) and a bool mask (num_groups,), "
-                         f"got shapes {shape} and {tuple(mask.shape)} ({mask.dtype})")
+        raise ValueError(
+            f"need group_gradients (num_groups, P) and a bool mask (num_groups,), "
+            f"got shapes {shape} and {tuple(mask.shape)} ({mask.dtype})"
+        )
     return (group_gradients[mask].sum(dim=0).norm() / group_gradients.sum(dim=0).norm()).item()
 
 
@@ -194,37 +212,129 @@ def _split(all_correct, all_wrong):
     return {"all_correct": all_correct, "all_wrong": all_wrong, "degenerate": total}
 
 
-def per_group_gradients(model, input_ids: Tensor, attention_mask: Tensor,
-                        completion_mask: Tensor, advantages: Tensor,
-                        temperature: float = 1.0) -> Tensor:
-    """Each group's share of the on-policy policy gradient of a batch, (num_prompts, P).
+# --- section 1: the closed forms against simulation --------------------------------------------
 
-    Row b is -grad of group b's terms of the loss_type "grpo" loss with beta = 0 on the
-    whole batch, (1 / (B G)) sum_{i in b} A_i (1/|o_i|) sum_t log pi(o_it): the rows sum to
-    the batch's ascent direction, and a group of zero advantages has a zero row exactly.
-    P counts the parameters that require grad, flattened in `model.parameters()` order.
 
-    Args: input_ids, attention_mask (B * G, P + T) and completion_mask (B * G, T) as in
-    `rollouts.Rollouts`, prompt-major; advantages (B, G).
+def iid_rate_curve(pass_rate: float, group_sizes) -> np.ndarray:
+    """f(p) = p^G + (1 - p)^G at one pass rate for each G of group_sizes, (len(group_sizes),)."""
+    return np.array([iid_degenerate_rate(pass_rate, g)["degenerate"][0] for g in group_sizes])
+
+
+def beta_rate_curves(pass_rate_mean: float, concentrations, group_sizes) -> dict:
+    """kappa -> exact degenerate rate at each G, (len(group_sizes),), for prompts whose pass
+    rate is Beta(m kappa, (1 - m) kappa) with mean m = pass_rate_mean."""
+    return {
+        kappa: np.array(
+            [
+                beta_degenerate_rate(pass_rate_mean * kappa, (1 - pass_rate_mean) * kappa, g)[
+                    "degenerate"
+                ]
+                for g in group_sizes
+            ]
+        )
+        for kappa in concentrations
+    }
+
+
+def simulated_beta_rates(
+    rng: np.random.Generator, pass_rate_mean: float, concentrations, group_sizes, num_prompts: int
+) -> dict:
+    """kappa -> simulated degenerate frequency at each G, (len(group_sizes),).
+
+    For each kappa in turn, draws `num_prompts` pass rates p ~ Beta(m kappa, (1 - m) kappa) from
+    `rng`, then k ~ Binomial(G, p) correct completions per prompt and G; a group is degenerate
+    when k is 0 or G. Advances `rng`.
     """
-    num_prompts, group_size = advantages.shape
-    num_rollouts = advantages.numel()
-    if input_ids.shape[0] != num_rollouts or completion_mask.shape[0] != num_rollouts:
-        raise ValueError(f"need B * G = {num_rollouts} rows of input_ids and completion_mask, "
-                         f"got {input_ids.shape[0]} and {completion_mask.shape[0]}")
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    group_sizes = np.asarray(group_sizes)
+    simulated = {}
+    for kappa in concentrations:
+        p = rng.beta(pass_rate_mean * kappa, (1 - pass_rate_mean) * kappa, size=num_prompts)
+        correct = rng.binomial(group_sizes[:, None], p[None, :])  # (num_group_sizes, prompts)
+        simulated[kappa] = ((correct == 0) | (correct == group_sizes[:, None])).mean(axis=1)
+    return simulated
+
+
+def monte_carlo_check(simulated: dict, exact: dict, num_prompts: int) -> dict:
+    """How far the simulated rates are from the exact ones, in binomial standard errors.
+
+    Both dicts as from `simulated_beta_rates` and `beta_rate_curves` over group sizes 1, 2, ...;
+    G = 1 is left out: its rate is 1 with no noise. Returns "monte_carlo_prompts",
+    "monte_carlo_max_z" (the largest |simulated - exact| / standard error) and
+    "monte_carlo_checks" (the number of (kappa, G) pairs compared).
+    """
+    z_scores = []
+    for kappa, rate in exact.items():
+        standard_error = np.sqrt(rate * (1 - rate) / num_prompts)
+        z_scores.append(np.abs(simulated[kappa] - rate)[1:] / standard_error[1:])
+    return {
+        "monte_carlo_prompts": num_prompts,
+        "monte_carlo_max_z": float(np.max(z_scores)),
+        "monte_carlo_checks": int(np.size(z_scores)),
+    }
+
+
+def random_jensen_gaps(
+    rng: np.random.Generator,
+    num_distributions: int,
+    max_support: int = 20,
+    max_group_size: int = 64,
+) -> np.ndarray:
+    """`jensen_gap` of random discrete pass-rate distributions, (num_distributions,).
+
+    Each has 2 to `max_support` uniform pass rates with Dirichlet(1, ..., 1) weights and a group
+    size from 1 to `max_group_size`, all drawn from `rng` (advanced).
+    """
+    gaps = []
+    for _ in range(num_distributions):
+        support = rng.integers(2, max_support + 1)
+        pass_rates, weights = rng.random(support), rng.dirichlet(np.ones(support))
+        gaps.append(jensen_gap(pass_rates, weights, int(rng.integers(1, max_group_size + 1))))
+    return np.array(gaps)
+
+
+def jensen_gap_summary(gaps: np.ndarray) -> dict:
+    """ "num_random_distributions", "jensen_gap_min", "jensen_gap_median" of `random_jensen_gaps`,
+    and "jensen_gaps_below_rounding": how many are below -1e-12. E[f] and f(E[p]) are each
+    computed to ~1e-16, so a zero gap can come out as -1e-16; a real violation could not."""
+    return {
+        "num_random_distributions": len(gaps),
+        "jensen_gap_min": gaps.min(),
+        "jensen_gaps_below_rounding": int((gaps < -1e-12).sum()),
+        "jensen_gap_median": float(np.median(gaps)),
+    }
+
+
+# --- section 5: a reported rate -------------------------------------------------------------------
+
+
+def explain_reported_rate(rate: float, group_size: int, means) -> tuple[dict, pd.DataFrame]:
+    """Which pass rates give a reported degenerate `rate` at `group_size`.
+
+    Returns records "reported_degenerate_rate", "reported_group_size", "reported_iid_low" and
+    "reported_iid_high" (the i.i.d. pass rates, `iid_pass_rates_for`), and for the last of
+    `means` "reported_example_{mean,kappa,std}"; and a table by mean pass rate m: f(m), the Beta
+    concentration giving the rate (`beta_concentration_for`) and the std of p it implies.
+    """
+    low, high = iid_pass_rates_for(rate, group_size)
     rows = []
-    for group in range(num_prompts):
-        members = slice(group * group_size, (group + 1) * group_size)
-        log_probs = sequence_log_probs(model, input_ids[members], attention_mask[members],
-                                       completion_mask[members], temperature)
-        # On-policy (old = current) the clipped surrogate's gradient is the policy gradient.
-        loss, _ = grpo_loss(log_probs, log_probs.detach(), None, advantages[group],
-                            completion_mask[members])
-        gradients = torch.autograd.grad(-loss / num_prompts, parameters, allow_unused=True)
-        rows.append(torch.cat([torch.zeros(parameter.numel(), dtype=parameter.dtype)
-                               if gradient is None else gradient.flatten()
-                               for parameter, gradient in zip(parameters, gradients)]))
-    return torch.stack(rows)
-
-
+    for mean in means:
+        kappa = beta_concentration_for(rate, mean, group_size)
+        rows.append(
+            {
+                "mean pass rate m": mean,
+                "i.i.d. rate f(m)": iid_degenerate_rate(mean, group_size)["degenerate"][0],
+                "kappa giving the reported rate": kappa,
+                "std of p": np.sqrt(mean * (1 - mean) / (kappa + 1)),
+            }
+        )
+    table = pd.DataFrame(rows).set_index("mean pass rate m")
+    records = {
+        "reported_degenerate_rate": rate,
+        "reported_group_size": group_size,
+        "reported_iid_low": low,
+        "reported_iid_high": high,
+        "reported_example_mean": means[-1],
+        "reported_example_kappa": table["kappa giving the reported rate"].iloc[-1],
+        "reported_example_std": table["std of p"].iloc[-1],
+    }
+    return records, table

@@ -10,6 +10,10 @@ baseline comes from the other completions of the same group.
     rloo     A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean(r))
     sign     A_i = 2 r_i - 1 for r_i in {0, 1}, else +1 if r_i > threshold else -1
     softmax  A_i = G * softmax(r / temperature)_i - 1
+    grpo_passk  only the best completion of the group gets r_max - r_second_max (divided by the
+             group's std + eps when scale_rewards="group"), every other one 0
+    reinforce_plus_plus_baseline  r_i - mean(r), then whitened over the whole batch
+    gpg      alpha * (r_i - mean(r)), alpha = (B G) / (number of nonzero rewards in the batch)
 
 Conventions for "grpo" follow TRL's ``GRPOTrainer``: ``std`` is Bessel-corrected
 (``torch.std``), ``eps = 1e-4`` is added to the std (outside the square root),
@@ -21,15 +25,51 @@ to about +-1 instead of +-0.707. verl also uses ``torch.std`` but its epsilon is
 1e-6.
 
 "grpo", "dr_grpo", "rloo" and "softmax" are zero-sum within each group.
+
+verl's estimators (``algorithm.adv_estimator``; volcengine/verl,
+``verl/trainer/ppo/core_algos.py``, read at commit b178a3c, January 2026)
+--------------------------------------------------------------------------------------
+grpo_passk: ``compute_grpo_passk_outcome_advantage``; Tang et al., *Optimizing Language Models
+    for Inference Time Objectives using Reinforcement Learning* (arXiv 2503.19595, 2025). The
+    baseline of completion i is the best reward of the *others*, max_{j != i} r_j, so
+    sum_i A_i s_i is an unbiased estimate of grad E[max_i r_i] = grad pass@G for binary rewards
+    (without the std). Ties at the top give 0 to everyone.
+reinforce_plus_plus_baseline: ``compute_reinforce_plus_plus_baseline_outcome_advantage``; Hu,
+    *REINFORCE++* (arXiv 2501.03262, 2025). verl whitens over the batch's *tokens*
+    (``masked_whiten``: mean and Bessel-corrected variance, then (x - mean) / sqrt(var + 1e-8));
+    with one reward per completion this is the same as whitening the (B, G) rewards when all
+    completions have the same length, which is what this function does.
+gpg: ``compute_gpg_outcome_advantage``; Chu et al., *GPG: A Simple and Strong Reinforcement
+    Learning Baseline for Model Reasoning* (arXiv 2504.02546, 2025). verl's alpha is
+    B G / count_nonzero(rewards) over the batch (for binary rewards: over the number of correct
+    completions); the paper writes alpha = B / (B - M) with M the samples whose group has zero
+    advantage. This function follows verl; its f_norm is 1 (verl computes the std, unused).
+Both "reinforce_plus_plus_baseline" and "gpg" couple the groups of a batch (`BATCH_METHODS`).
+
+Sibling functions cover the estimators that need more than the (B, G) rewards:
+`opo_advantages` (lengths), `remax_advantages` (the greedy completion's reward),
+`reinforce_plus_plus_advantages` (token-level rewards), `optimal_token_baseline_advantages`
+(token probabilities), and `kl_in_reward` (verl's ``use_kl_in_reward``).
 """
 
 import torch
 from torch import Tensor
 
-METHODS = ("grpo", "dr_grpo", "rloo", "sign", "softmax")
+METHODS = (
+    "grpo", "dr_grpo", "rloo", "sign", "softmax", "grpo_passk", "reinforce_plus_plus_baseline",
+    "gpg",
+)  # fmt: skip
 SCALE_REWARDS = ("group", "batch", "none")
+# TRL also accepts a bool (``GRPOConfig.__post_init__``): True is "group", False is "none".
+SCALE_REWARDS_ALIASES = {True: "group", False: "none"}
 # Methods whose baseline is built from the other completions of the group.
-_NEEDS_GROUP = ("grpo", "dr_grpo", "rloo", "softmax")
+_NEEDS_GROUP = (
+    "grpo", "dr_grpo", "rloo", "softmax", "grpo_passk", "reinforce_plus_plus_baseline", "gpg",
+)  # fmt: skip
+# Methods whose advantages depend on the other groups of the batch too.
+BATCH_METHODS = ("reinforce_plus_plus_baseline", "gpg")
+# verl's masked_whiten adds this to the variance.
+_WHITEN_EPS = 1e-8
 
 
 def group_advantages(
@@ -47,8 +87,10 @@ def group_advantages(
     Args:
         rewards: (num_groups, group_size) floating point, one row per prompt.
         method: one of ``METHODS`` (see the module docstring).
-        scale_rewards: "group", "batch" or "none"; only used by "grpo".
-        eps: added to the std before dividing ("grpo" only). TRL: 1e-4.
+        scale_rewards: "group", "batch" or "none" (or TRL's True / False for "group" /
+            "none"); used by "grpo" and "grpo_passk" ("group" is verl's
+            ``norm_adv_by_std_in_grpo=True``; "batch" is not allowed there).
+        eps: added to the std before dividing ("grpo", "grpo_passk"). TRL: 1e-4, verl: 1e-6.
         unbiased_std: Bessel-corrected std (TRL, verl) if True, population
             std if False ("grpo" only).
         threshold: for "sign" with non-binary rewards, A = +1 where
@@ -64,6 +106,8 @@ def group_advantages(
         advantages: (num_groups, group_size), same dtype as ``rewards``.
     """
     _check_rewards(rewards)
+    if isinstance(scale_rewards, bool):
+        scale_rewards = SCALE_REWARDS_ALIASES[scale_rewards]
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if scale_rewards not in SCALE_REWARDS:
@@ -86,11 +130,20 @@ def group_advantages(
         weights = torch.softmax(rewards / temperature, dim=1)
         return group_size * weights - 1
 
+    if method == "grpo_passk":
+        return _passk_advantages(rewards, scale_rewards, eps)
+
     if method == "rloo":
         leave_one_out_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (group_size - 1)
         return rewards - leave_one_out_mean
 
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if method == "reinforce_plus_plus_baseline":
+        if centered.numel() < 2:
+            raise ValueError("whitening over the batch needs at least 2 rewards")
+        return (centered - centered.mean()) / (centered.var() + _WHITEN_EPS).sqrt()
+    if method == "gpg":
+        return rewards.numel() / max(int(torch.count_nonzero(rewards)), 1) * centered
     if method == "dr_grpo" or scale_rewards == "none":
         return centered
 
@@ -100,6 +153,16 @@ def group_advantages(
     else:
         std = rewards.std(correction=correction)
     return centered / (std + eps)
+
+
+def _passk_advantages(rewards: Tensor, scale_rewards: str, eps: float) -> Tensor:
+    if scale_rewards == "batch":
+        raise ValueError("grpo_passk supports scale_rewards='group' or 'none', not 'batch'")
+    top_two = rewards.topk(2, dim=1)
+    gap = top_two.values[:, :1] - top_two.values[:, 1:]  # (num_groups, 1)
+    if scale_rewards == "group":
+        gap = gap / (rewards.std(dim=1, keepdim=True) + eps)
+    return torch.zeros_like(rewards).scatter(1, top_two.indices[:, :1], gap)
 
 
 def _sign_advantages(rewards: Tensor, threshold: float | None) -> Tensor:
@@ -138,8 +201,9 @@ def zero_std_groups(rewards: Tensor, atol: float = 1e-8) -> Tensor:
     """
     _check_rewards(rewards)
     if rewards.shape[1] < 2:
-        raise ValueError(f"a within-group std needs group_size >= 2, got rewards of shape "
-                         f"{tuple(rewards.shape)}")
+        raise ValueError(
+            f"a within-group std needs group_size >= 2, got rewards of shape {tuple(rewards.shape)}"
+        )
     return rewards.std(dim=1) <= atol
 
 
@@ -150,6 +214,142 @@ def degenerate_fractions(rewards: Tensor, atol: float = 1e-8) -> dict:
     groups at other reward values; for binary rewards it is all_correct + all_wrong.
     """
     degenerate = zero_std_groups(rewards, atol)
-    return {"all_correct": (rewards == 1).all(dim=1).double().mean().item(),
-            "all_wrong": (rewards == 0).all(dim=1).double().mean().item(),
-            "degenerate": degenerate.double().mean().item()}
+    return {
+        "all_correct": (rewards == 1).all(dim=1).double().mean().item(),
+        "all_wrong": (rewards == 0).all(dim=1).double().mean().item(),
+        "degenerate": degenerate.double().mean().item(),
+    }
+
+
+def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
+    """OPO's length-weighted group baseline: A_i = r_i - sum_j L_j r_j / sum_j L_j (j over the
+    group, i included).
+
+    verl ``compute_opo_outcome_advantage``; Hao et al., *On-Policy RL with Optimal Reward
+    Baseline* (arXiv 2505.23585, 2025). It is the optimal constant baseline
+    b* = E[||s||^2 r] / E[||s||^2] (chapter 8) with ||s||^2 replaced by the length L, its proxy
+    when the tokens' scores are of similar size; with equal lengths it is the group mean
+    ("dr_grpo").
+
+    Args: rewards, lengths: (num_groups, G), lengths > 0 (tokens per completion).
+    Returns: advantages (num_groups, G).
+    """
+    _check_rewards(rewards)
+    if lengths.shape != rewards.shape or not (lengths > 0).all():
+        raise ValueError(
+            f"lengths must be positive with shape {tuple(rewards.shape)}, got "
+            f"{tuple(lengths.shape)}"
+        )
+    lengths = lengths.to(rewards.dtype)
+    baseline = (lengths * rewards).sum(dim=1, keepdim=True) / lengths.sum(dim=1, keepdim=True)
+    return rewards - baseline
+
+
+def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
+    """ReMax: A_i = r_i - r(greedy completion of the same prompt).
+
+    verl ``compute_remax_outcome_advantage``; Li et al., *ReMax: A Simple, Effective, and
+    Efficient Reinforcement Learning Method for Aligning Large Language Models* (arXiv
+    2310.10505, 2023). The baseline costs one extra greedy rollout per prompt and does not depend
+    on the sampled completions, so the estimator is unbiased at every G, G = 1 included.
+
+    Args: rewards (num_groups, G); greedy_rewards (num_groups,).
+    Returns: advantages (num_groups, G).
+    """
+    _check_rewards(rewards)
+    if greedy_rewards.shape != rewards.shape[:1]:
+        raise ValueError(
+            f"greedy_rewards must have shape {tuple(rewards.shape[:1])}, got "
+            f"{tuple(greedy_rewards.shape)}"
+        )
+    return rewards - greedy_rewards[:, None].to(rewards.dtype)
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: the discounted return-to-go of each token, whitened over the batch's tokens.
+
+    verl ``compute_reinforce_plus_plus_outcome_advantage`` (with ``masked_whiten``: mean and
+    Bessel-corrected variance over the valid tokens, (x - mean) / sqrt(var + 1e-8)); Hu,
+    *REINFORCE++* (arXiv 2501.03262, 2025). There is no group baseline: the batch mean of the
+    returns is a baseline shared by every prompt, and the batch std a common scale.
+
+    Args:
+        token_rewards: (..., T), e.g. the outcome reward on each completion's last token.
+        response_mask: (..., T), 1 on valid tokens, 0 on padding.
+        gamma: discount; the return does not flow back through padding.
+
+    Returns: (advantages, returns), each (..., T), zero on padding.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[..., 0])
+    for t in reversed(range(token_rewards.shape[-1])):
+        running = token_rewards[..., t] + gamma * running
+        returns[..., t] = running
+        running = running * mask[..., t]
+    count = mask.sum()
+    if count < 2:
+        raise ValueError("whitening over the batch needs at least 2 valid tokens")
+    mean = (returns * mask).sum() / (count + _WHITEN_EPS)
+    variance = ((returns - mean) ** 2 * mask).sum() / (count + _WHITEN_EPS) * count / (count - 1)
+    return (returns - mean) * (variance + _WHITEN_EPS).rsqrt() * mask, returns
+
+
+def optimal_token_baseline_advantages(
+    token_rewards: Tensor,
+    response_mask: Tensor,
+    token_probs: Tensor,
+    sum_pi_squared: Tensor,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """verl's optimal token baseline (OTB): one baseline per group and position t,
+
+        B_t = sum_i R_it W_it / sum_i W_it,   W_it = sum_{j <= t} (1 - 2 pi_ij + sum_a pi_ij(a)^2),
+
+    A_it = R_it - B_t, with R the return-to-go. 1 - 2 pi(y_j) + sum_a pi(a)^2 is the squared norm
+    of a tabular softmax's token score (chapter 8, section 1), so W_it is the squared score norm of
+    the first t tokens and, for an outcome reward, B_T at the last position is the group's estimate
+    of chapter 8's b* = E[||s||^2 r] / E[||s||^2]. The group includes completion i itself.
+
+    verl ``compute_optimal_token_baseline_advantage`` (no paper cited there), without its
+    rollout importance weights and ``handle_zero_tail``; a group of one gets baseline 0.
+
+    Args:
+        token_rewards, response_mask: (num_groups, G, T).
+        token_probs: (num_groups, G, T), pi of each sampled token (verl: exp(old_log_probs)).
+        sum_pi_squared: (num_groups, G, T), sum over the vocabulary of pi(a)^2 at each position.
+
+    Returns: (advantages, returns), each (num_groups, G, T), zero on padding.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    weights = ((1 - 2 * token_probs + sum_pi_squared) * mask).cumsum(-1) * mask
+    baseline = (returns * weights).sum(dim=1, keepdim=True) / (
+        weights.sum(dim=1, keepdim=True) + eps
+    )
+    if token_rewards.shape[1] == 1:
+        baseline = torch.zeros_like(baseline)
+    return (returns - baseline) * mask, returns
+
+
+def kl_in_reward(rewards: Tensor, kl: Tensor, beta: float) -> Tensor:
+    """verl's ``algorithm.use_kl_in_reward``: r_i - beta * KL_i, before any group baseline.
+
+    `kl` is the completion's summed per-token estimate, verl's default k1 = sum_t log pi_old(y_t)
+    - log pi_ref(y_t) (``apply_kl_penalty`` in ``verl/trainer/ppo/ray_trainer.py``; the RLOO
+    paper, Ahmadian et al. 2024, also puts the KL in the reward). Detached, it enters through the
+    score function: E[k1 s] = grad KL(pi || pi_ref), and the group baseline then treats it like
+    the reward (RLOO keeps it unbiased, the group mean shrinks it by 1 - 1/G). In the loss
+    (TRL, GRPO) the KL is differentiated through log pi instead, and is added after the baseline:
+    see chapter 8, section 5.
+
+    Args: rewards, kl: (num_groups, G). Returns: (num_groups, G).
+    """
+    _check_rewards(rewards)
+    if kl.shape != rewards.shape:
+        raise ValueError(
+            f"kl must have the shape of rewards {tuple(rewards.shape)}, got {tuple(kl.shape)}"
+        )
+    return rewards - beta * kl.detach().to(rewards.dtype)

@@ -49,7 +49,8 @@ with u = grad p / (p (1 - p)). `score_noise=(v_1, v_0)` (or one number for both)
 second term to the variance, in the units of the Bernoulli-logit model (||u|| = 1). Example: n
 reward-irrelevant fair-coin tokens give v_1 = v_0 = n / 4. Any policy with a binary reward
 reduces to this model: with kappa = ||u||^2, its variance and MSE are kappa times those of
-`estimator_moments(..., score_noise=(v_1 / kappa, v_0 / kappa))`.
+`estimator_moments(..., score_noise=(v_1 / kappa, v_0 / kappa))`; `reward_geometry` measures
+p, kappa and the two noises on an enumerable `SequencePolicy`.
 
 Dropping degenerate groups
 --------------------------
@@ -78,6 +79,22 @@ groups. For any policy, the score-function identity grad P(E) = E[1_E sum_i s_i]
 so dropping degenerate groups leaves E[g 1{0 < k < G}] = 2 p (1 - p) - (d pass@G + d p^G) / G:
 the all-wrong groups that filtering discards carry exactly the pass@G gradient (over G).
 
+Batch-coupled methods, in the limit of many prompts per batch
+-------------------------------------------------------------
+"gpg" and "reinforce_plus_plus_baseline" (`grpo_companion.core.advantages.BATCH_METHODS`) use
+statistics of the whole batch. With B -> infinity prompts whose pass rates follow a prior (option
+`batch_pass_rates=(values, weights)`), those statistics are constants, and each is Dr. GRPO times
+a constant c(G) (`batch_limit_scale`): GPG's alpha = B G / (correct completions) -> 1 / E_p[p];
+REINFORCE++-baseline's centred rewards have batch mean exactly 0 and variance
+E_p[(1 - 1/G) p (1 - p)], so c = 1 / sqrt(that + 1e-8). Both are then aligned with Dr. GRPO,
+with the same error at the best step. At a finite B the constants fluctuate with the batch.
+
+Pass@k advantages
+-----------------
+"grpo_passk" with scale_rewards="none" gives only k = 1 groups a signal (a_c(1) = 1), so
+E[g] = p (1 - p)^(G - 1) (1 - p) = grad pass@G / G exactly, w(p) = (1 - p)^(G - 1): the part of
+Sign's update that the all-wrong groups carry (above), from the mixed groups instead.
+
 Prompts with different pass rates
 ---------------------------------
 `average_over_pass_rates` takes E_p of every moment for p drawn from a discrete distribution
@@ -94,7 +111,8 @@ import torch
 from scipy.special import roots_jacobi
 from scipy.stats import binom
 
-from grpo_companion.core.advantages import METHODS, group_advantages
+from grpo_companion.core.advantages import BATCH_METHODS, METHODS, group_advantages
+from grpo_companion.core.policy_gradient import SequencePolicy
 
 # Baselines that do not look at the group: REINFORCE, and the true value p as baseline.
 GROUP_FREE = ("no_baseline", "oracle")
@@ -113,6 +131,11 @@ def binary_group_advantages(group_size, method="grpo", **options):
     group_size = check_group_size(group_size)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS + GROUP_FREE}")
+    if method in BATCH_METHODS:
+        raise ValueError(
+            f"{method!r} couples the groups of a batch: use estimator_moments with "
+            "batch_pass_rates=(values, weights), its many-prompt limit"
+        )
     if options.get("scale_rewards") == "batch":
         raise ValueError(
             "scale_rewards='batch' couples the groups of a batch; exact moments support only "
@@ -126,8 +149,16 @@ def binary_group_advantages(group_size, method="grpo", **options):
     return a_correct, a_incorrect
 
 
-def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerate=False,
-                      per_drawn_group=False, score_noise=0.0, **options):
+def estimator_moments(
+    pass_rates,
+    group_size,
+    method="grpo",
+    *,
+    filter_degenerate=False,
+    per_drawn_group=False,
+    score_noise=0.0,
+    **options,
+):
     """Exact moments of g = (1/G) sum_i A_i s_i for each pass rate p (see module docstring).
 
     Args:
@@ -165,8 +196,44 @@ def estimator_moments(pass_rates, group_size, method="grpo", *, filter_degenerat
     bias = mean - true_gradient
     with np.errstate(invalid="ignore", divide="ignore"):
         weight = mean / true_gradient
-    return {"mean": mean, "variance": variance, "bias": bias, "mse": variance + bias**2,
-            "weight": weight, "degenerate_rate": degenerate_rate}
+    return {
+        "mean": mean,
+        "variance": variance,
+        "bias": bias,
+        "mse": variance + bias**2,
+        "weight": weight,
+        "degenerate_rate": degenerate_rate,
+    }
+
+
+def reward_geometry(policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor) -> dict:
+    """What the moments of any binary-reward group estimator depend on (module docstring).
+
+    `rewards: (num_sequences,)`, binary, with 0 < p < 1. Returns floats: "pass_rate" p = J;
+    "kappa" = ||u||^2 with u = grad p / (p (1 - p)); and "noise_correct", "noise_incorrect":
+    tr Cov(s | r) for r = 1 and r = 0, divided by kappa (the `score_noise` of
+    `estimator_moments`).
+    """
+    if not ((rewards == 0) | (rewards == 1)).all():
+        raise ValueError("reward_geometry needs binary rewards in {0, 1}")
+    probs = policy.probs(logits).detach()
+    p = float(probs @ rewards)
+    if not 0 < p < 1:
+        raise ValueError(f"need 0 < pass rate < 1, got {p}")
+    squared_norms = policy.scores(logits, policy.all_sequences()).square().sum(dim=1)
+    gradient_sq_norm = float(policy.exact_gradient(logits, rewards).square().sum())
+    kappa = gradient_sq_norm / (p * (1 - p)) ** 2
+    # E[||s||^2 | r] - ||E[s | r]||^2, with E[s | 1] = grad p / p and E[s | 0] = -grad p / (1 - p).
+    noise_correct = float((probs * rewards) @ squared_norms) / p - gradient_sq_norm / p**2
+    noise_incorrect = (
+        float((probs * (1 - rewards)) @ squared_norms) / (1 - p) - gradient_sq_norm / (1 - p) ** 2
+    )
+    return {
+        "pass_rate": p,
+        "kappa": kappa,
+        "noise_correct": noise_correct / kappa,
+        "noise_incorrect": noise_incorrect / kappa,
+    }
 
 
 def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
@@ -180,8 +247,11 @@ def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
     estimates, _ = _conditional_moments(p, group_size, method, 0.0, **options)
     probs = binom.pmf(np.arange(estimates.shape[1]), group_size, p)
     contributions = probs * estimates
-    return {"all_incorrect": contributions[:, 0], "all_correct": contributions[:, -1],
-            "mixed": contributions[:, 1:-1].sum(axis=1)}
+    return {
+        "all_incorrect": contributions[:, 0],
+        "all_correct": contributions[:, -1],
+        "mixed": contributions[:, 1:-1].sum(axis=1),
+    }
 
 
 def _conditional_moments(p, group_size, method, score_noise, **options):
@@ -191,6 +261,15 @@ def _conditional_moments(p, group_size, method, score_noise, **options):
         ones = np.ones((1, group_size + 1))
         baseline = 0.0 if method == "no_baseline" else p
         a_correct, a_incorrect = (1 - baseline) * ones, -baseline * ones
+    elif method in BATCH_METHODS:
+        if "batch_pass_rates" not in options:
+            raise ValueError(
+                f"{method!r} needs batch_pass_rates=(values, weights), the prior "
+                "of the batch's pass rates"
+            )
+        scale = batch_limit_scale(method, group_size, *options.pop("batch_pass_rates"))
+        a_correct, a_incorrect = binary_group_advantages(group_size, "dr_grpo", **options)
+        a_correct, a_incorrect = scale * a_correct, scale * a_incorrect
     else:
         a_correct, a_incorrect = binary_group_advantages(group_size, method, **options)
     noise = np.broadcast_to(np.asarray(score_noise, dtype=np.float64), (2,))
@@ -202,9 +281,26 @@ def _conditional_moments(p, group_size, method, score_noise, **options):
     correct = np.where(k > 0, k * a_correct, 0.0)
     incorrect = np.where(k < group_size, (group_size - k) * a_incorrect, 0.0)
     estimates = (correct * (1 - p) - incorrect * p) / group_size
-    squared_noise = (np.where(k > 0, correct * a_correct, 0.0) * noise_correct
-                     + np.where(k < group_size, incorrect * a_incorrect, 0.0) * noise_incorrect)
+    squared_noise = (
+        np.where(k > 0, correct * a_correct, 0.0) * noise_correct
+        + np.where(k < group_size, incorrect * a_incorrect, 0.0) * noise_incorrect
+    )
     return estimates, np.broadcast_to(squared_noise / group_size**2, estimates.shape).copy()
+
+
+def batch_limit_scale(method, group_size, pass_rates, weights):
+    """c(G) of a `BATCH_METHODS` method in a batch of infinitely many prompts whose pass rates are
+    `pass_rates` (P,) with probabilities `weights` (P,): its advantages are c(G) times Dr. GRPO's
+    (module docstring). "gpg": 1 / E_p[p]; "reinforce_plus_plus_baseline":
+    1 / sqrt(E_p[(1 - 1/G) p (1 - p)] + 1e-8)."""
+    group_size = check_group_size(group_size)
+    pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
+    if method == "gpg":
+        return float(1 / (weights @ pass_rates))
+    if method == "reinforce_plus_plus_baseline":
+        variance = (1 - 1 / group_size) * (weights @ (pass_rates * (1 - pass_rates)))
+        return float(1 / np.sqrt(variance + 1e-8))
+    raise ValueError(f"no batch limit for {method!r}; expected one of {BATCH_METHODS}")
 
 
 def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kwargs):
@@ -244,9 +340,11 @@ def best_step_error(pass_rates, weights, group_size, method="grpo", **kwargs):
     true_gradient = pass_rates * (1 - pass_rates)
     cross = weights @ (mean * true_gradient)
     second, target = weights @ (mean**2 + variance), weights @ true_gradient**2
-    return {"relative_error": float(1 - cross**2 / (second * target)),
-            "alignment": float(cross / np.sqrt((weights @ mean**2) * target)),
-            "best_step": float(cross / second)}
+    return {
+        "relative_error": float(1 - cross**2 / (second * target)),
+        "alignment": float(cross / np.sqrt((weights @ mean**2) * target)),
+        "best_step": float(cross / second),
+    }
 
 
 def beta_quadrature(a, b, num_nodes=128):

@@ -1,4 +1,4 @@
-r"""Chapter 2: GRPO's estimator piece by piece, in exact expectation on the sequence policy.
+r"""GRPO's group estimator in exact expectation on the sequence policy (chapters 2, 8 and 10).
 
 Group estimators
 ----------------
@@ -25,19 +25,8 @@ G! / prod_y c_y! * prod_y pi(y)^{c_y}. Summing over the C(N + G - 1, G) multiset
 sequences gives exact moments, up to float64 rounding: 6,435 terms for N = 8 and G = 8, against
 N^G = 16.8 million ordered groups.
 
-KL estimators
--------------
-With x_t = log pi(y_t | y_<t) - log pi_ref(y_t | y_<t) on a sequence y ~ pi, the per-token
-estimators of `grpo_companion.core.losses.kl_penalty` summed over the tokens estimate the sequence
-KL(pi || pi_ref) = E_pi[sum_t x_t]. k1 and k3 are unbiased for it (k3 adds pi_ref/pi - 1 at each
-token, whose mean given the prefix is sum_a pi_ref(a | prefix) - 1 = 0); k2 = x^2 / 2 is not.
-`kl_estimator_moments` gives the exact mean and variance of each by enumeration.
-
-Token weights and inner iterations
-----------------------------------
-`token_weights` is d loss / d l_it for `grpo_companion.core.losses.aggregate`: how much each token's
-loss counts under a ``loss_type``. `optimize_on_batch` takes several gradient steps on one batch
-(TRL's ``num_iterations``), where the ratio pi / pi_old leaves 1 and clipping starts to act.
+The loss around the estimator (the ratio and its clipping, the KL estimators, token aggregation)
+is chapter 3's, in `grpo_companion.chapters.grpo_loss`.
 """
 
 import itertools
@@ -47,7 +36,6 @@ import torch
 from torch import Tensor
 
 from grpo_companion.core.advantages import group_advantages
-from grpo_companion.core.losses import KL_ESTIMATORS, aggregate, grpo_loss, kl_penalty
 from grpo_companion.core.policy_gradient import SequencePolicy
 
 
@@ -67,8 +55,8 @@ def multisets(
     count = math.comb(num_outcomes + group_size - 1, group_size)
     if count > max_groups:
         raise ValueError(
-            f"{count:,} multisets of {group_size} out of {num_outcomes} outcomes exceed max_groups = "
-            f"{max_groups:,}; use a smaller policy or group size"
+            f"{count:,} multisets of {group_size} out of {num_outcomes} outcomes exceed "
+            f"max_groups = {max_groups:,}; use a smaller policy or group size"
         )
     members = torch.tensor(
         list(itertools.combinations_with_replacement(range(num_outcomes), group_size))
@@ -76,6 +64,17 @@ def multisets(
     counts = torch.nn.functional.one_hot(members, num_outcomes).sum(dim=1).to(torch.float64)
     log_multiplicity = math.lgamma(group_size + 1) - torch.lgamma(counts + 1).sum(dim=1)
     return members, log_multiplicity
+
+
+def group_gradient(scores: Tensor, advantages: Tensor) -> Tensor:
+    """The group's gradient estimate g = (1/G) sum_i A_i s_i, at ratio 1 (first step on a batch).
+
+    `scores: (..., G, num_params)` (s_i = grad log pi(y_i)), `advantages: (..., G)`; returns
+    `(..., num_params)`, one g per group. The 1/G is the group mean of GRPO's loss (the gradient
+    of -(1/G) sum_i A_i log pi(y_i)); the plain sum S^T A, which some derivations use, is G g.
+    `advantages` is cast to the dtype of `scores`.
+    """
+    return (advantages.to(scores.dtype)[..., None] * scores).mean(dim=-2)
 
 
 def group_estimator_moments(
@@ -103,6 +102,24 @@ def group_estimator_moments(
     return {"mean": mean, "variance": variance}
 
 
+def estimator_advantages(rewards: Tensor, method: str, value=None, **options) -> Tensor:
+    """Advantages `(..., G)` of `rewards: (..., G)` for the group estimators of the book.
+
+    `method` in `grpo_companion.core.advantages.METHODS` goes to `group_advantages` with
+    `options`; the group-free baselines of `grpo_companion.core.exact.GROUP_FREE` are
+    "no_baseline", A = r, and "oracle", A = r - value, with `value` the true value J of the
+    group's prompt (a number, or a tensor broadcastable to `(..., 1)`).
+    """
+    if method == "no_baseline":
+        return rewards
+    if method == "oracle":
+        if value is None:
+            raise ValueError("method 'oracle' needs the true value J as value=...")
+        return rewards - value
+    flat = rewards.reshape(-1, rewards.shape[-1])
+    return group_advantages(flat, method, **options).reshape(rewards.shape)
+
+
 def sample_group_estimates(
     policy: SequencePolicy,
     logits: Tensor,
@@ -113,13 +130,18 @@ def sample_group_estimates(
     method: str = "dr_grpo",
     **options,
 ) -> Tensor:
-    """`num_groups` independent draws of g, each from a fresh group: `(num_groups, num_params)`.
+    """`group_gradient` of `num_groups` independent groups of G sequences drawn from pi:
+    `(num_groups, num_params)`; `rewards: (num_sequences,)` is the reward table.
 
-    Each group's advantages are spread onto the sequences it holds, `(num_groups, N)`, then one
-    matmul with the score table gives every g; no `(num_groups, G, num_params)` tensor is built.
+    The draws are one `policy.sample` of num_groups * G sequences, group by group. `method` and
+    `options` go to `estimator_advantages`; "oracle" gets the exact J of the policy as its
+    value. Each group's A_i / G are added onto the sequences it holds,
+    `(num_groups, num_sequences)`, and one matmul with the score table gives every g: no
+    `(num_groups, G, num_params)` tensor is built.
     """
     members = policy.sample(logits, num_groups * group_size, generator).view(num_groups, group_size)
-    advantages = group_advantages(rewards[members], method, **options)
+    value = float(policy.objective(logits, rewards)) if method == "oracle" else None
+    advantages = estimator_advantages(rewards[members], method, value, **options)
     per_sequence = torch.zeros(num_groups, policy.num_sequences, dtype=advantages.dtype)
     per_sequence.scatter_add_(1, members, advantages / group_size)
     return per_sequence @ policy.scores(logits, policy.all_sequences())
@@ -135,105 +157,3 @@ def gradient_weight(expected: Tensor, true_gradient: Tensor) -> tuple[float, flo
     weight = expected @ true_gradient / squared_norm
     residual = (expected - weight * true_gradient).norm() / squared_norm.sqrt()
     return float(weight), float(residual)
-
-
-def kl_divergence(policy: SequencePolicy, logits: Tensor, ref_logits: Tensor) -> float:
-    """KL(pi || pi_ref) = sum_y pi(y) log(pi(y) / pi_ref(y)) over whole sequences, exactly."""
-    sequences = policy.all_sequences()
-    log_probs = policy.log_prob(logits, sequences).detach()
-    ref_log_probs = policy.log_prob(ref_logits, sequences).detach()
-    return float(log_probs.exp() @ (log_probs - ref_log_probs))
-
-
-def sequence_kl_estimates(
-    policy: SequencePolicy,
-    logits: Tensor,
-    ref_logits: Tensor,
-    sequences: Tensor,
-    estimator: str,
-) -> Tensor:
-    """sum_t k(x_t) for each of `sequences: (n, length)`, k = `kl_penalty`'s `estimator`: `(n,)`."""
-    token_log_probs = policy.token_log_probs(logits, sequences).detach()
-    ref_token_log_probs = policy.token_log_probs(ref_logits, sequences).detach()
-    return kl_penalty(token_log_probs, ref_token_log_probs, estimator).sum(dim=1)
-
-
-def kl_estimator_moments(
-    policy: SequencePolicy, logits: Tensor, ref_logits: Tensor
-) -> dict[str, dict[str, float]]:
-    """Exact mean, bias and variance of one sequence's k1, k2 and k3 estimate, y ~ pi.
-
-    Returns {estimator: {"mean", "bias", "variance"}}, the bias against `kl_divergence`.
-    """
-    sequences = policy.all_sequences()
-    probs = policy.probs(logits).detach()
-    kl = kl_divergence(policy, logits, ref_logits)
-    moments = {}
-    for estimator in KL_ESTIMATORS:
-        estimates = sequence_kl_estimates(policy, logits, ref_logits, sequences, estimator)
-        mean = float(probs @ estimates)
-        moments[estimator] = {
-            "mean": mean,
-            "bias": mean - kl,
-            "variance": float(probs @ (estimates - mean) ** 2),
-        }
-    return moments
-
-
-def token_weights(mask: Tensor, loss_type: str, **options) -> Tensor:
-    """How much each token's loss counts: d aggregate / d l_it, `(batch, seq_len)` like `mask`.
-
-    `aggregate` is linear in the per-token loss, so this is the same at every loss value; the
-    gradient reaching log pi of token t of completion i is this weight times -A_i at ratio 1.
-    `options` go to `aggregate` (max_completion_length, alpha).
-    """
-    per_token_loss = torch.zeros(mask.shape, dtype=torch.float64, requires_grad=True)
-    (weights,) = torch.autograd.grad(
-        aggregate(per_token_loss, mask, loss_type, **options), per_token_loss
-    )
-    return weights
-
-
-def batch_loss(
-    policy: SequencePolicy,
-    logits: Tensor,
-    old_logits: Tensor,
-    sequences: Tensor,
-    advantages: Tensor,
-    **loss_options,
-) -> tuple[Tensor, dict[str, float]]:
-    """`grpo_loss` on a batch of complete sequences, `sequences: (batch, length)` sampled from
-    pi_old = `old_logits`, `advantages: (batch,)`; no KL term (beta = 0, TRL's default)."""
-    log_probs = policy.token_log_probs(logits, sequences)
-    old_log_probs = policy.token_log_probs(old_logits, sequences)
-    mask = torch.ones_like(log_probs)
-    return grpo_loss(log_probs, old_log_probs, None, advantages, mask, **loss_options)
-
-
-def optimize_on_batch(
-    policy: SequencePolicy,
-    old_logits: Tensor,
-    rewards: Tensor,
-    sequences: Tensor,
-    advantages: Tensor,
-    num_iterations: int,
-    learning_rate: float,
-    **loss_options,
-) -> dict[str, list[float]]:
-    """`num_iterations` plain gradient steps on `batch_loss` of one batch, from pi_old.
-
-    Returns, for the policy before each step: "kl", the exact KL(pi || pi_old); "objective", the
-    exact J = E_pi[r] (`rewards: (num_sequences,)`); "clip_ratio", the fraction of the batch's
-    tokens clipped (`grpo_loss`'s statistic).
-    """
-    logits = old_logits.detach().clone().requires_grad_(True)
-    history = {"kl": [], "objective": [], "clip_ratio": []}
-    for _ in range(num_iterations):
-        loss, stats = batch_loss(policy, logits, old_logits, sequences, advantages, **loss_options)
-        (gradient,) = torch.autograd.grad(loss, logits)
-        history["kl"].append(kl_divergence(policy, logits, old_logits))
-        history["objective"].append(float(policy.objective(logits.detach(), rewards)))
-        history["clip_ratio"].append(stats["clip_ratio"])
-        with torch.no_grad():
-            logits -= learning_rate * gradient
-    return history

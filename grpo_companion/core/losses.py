@@ -1,4 +1,4 @@
-r"""Per-token GRPO loss.
+r"""Per-token GRPO loss, and the policy-loss variants of TRL and verl.
 
 For completion i with tokens t = 1..L_i, sampled from pi_old, the ratio is
 rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t) and the per-token loss is
@@ -11,22 +11,71 @@ per-token sample estimate of the KL divergence. ``aggregate`` then reduces the
 (batch, seq_len) tensor to a scalar; the choice of normaliser (``loss_type``)
 decides how much each token weighs:
 
-    grpo          1/B sum_i 1/L_i sum_t l_it
-    dr_grpo       1/(B * max_completion_length) sum_i sum_t l_it
-    bnpo, dapo    1/(sum_i L_i) sum_i sum_t l_it
-    length_alpha  1/B sum_i f_alpha(L_i) sum_t l_it,   f_alpha(L) = L^(alpha - 1)
+    loss_type     normaliser                               verl loss_agg_mode
+    grpo, sapo    1/B sum_i 1/L_i sum_t l_it               "seq-mean-token-mean"
+    dr_grpo       1/(B L_max) sum_i sum_t l_it             ("seq-mean-token-sum-norm" / B)
+    bnpo          1/(sum_i L_i) sum_it l_it, per micro-batch, averaged over the micro-batches
+                                                           "token-mean" (legacy dp_actor)
+    dapo, cispo,  1/(sum_i L_i) sum_it l_it over the whole "token-mean" (global token count)
+      vespo       batch of rollouts
+    luspo         1/B sum_i sum_t l_it                     "seq-mean-token-sum"
+    length_alpha  1/B sum_i f_alpha(L_i) sum_t l_it,  f_alpha(L) = L^(alpha - 1)
+                  (alpha = 0: grpo; alpha = 1: luspo, verl's "seq-mean-token-sum")
 
-Names follow TRL's ``GRPOConfig`` (``beta``, ``epsilon``, ``epsilon_high``,
-``loss_type``, ``max_completion_length``). verl calls these reductions
-``loss_agg_mode``: "seq-mean-token-mean" (grpo), "seq-mean-token-sum-norm"
-(dr_grpo) and "token-mean" (bnpo/dapo).
+On one batch, bnpo and dapo are the same formula; they differ only in the trainer, when the batch
+is split into micro-batches (``lm/trainer.py``): TRL's "bnpo" divides each micro-batch by its own
+token count and averages the micro-batches, as verl's "token-mean" does on its legacy worker
+(``loss / gradient_accumulation``); TRL's "dapo" divides by the token count of the whole batch,
+as verl's "token-mean" does since it passes the global batch's token count. verl's
+"seq-mean-token-sum-norm" is sum_it l_it / L_max, with L_max the response width
+(``loss_mask.shape[-1]``, or verl's ``loss_scale_factor``): Dr. GRPO's normaliser without the
+number of sequences B, so it is B times our (and TRL's) "dr_grpo".
+
+Names follow TRL's ``GRPOConfig`` (``beta``, ``epsilon``, ``epsilon_high``, ``delta``,
+``loss_type``, ``max_completion_length``, ``importance_sampling_level``, ``sapo_temperature_*``,
+``vespo_*``, ``off_policy_mask_threshold``, ``use_bias_correction_kl``); TRL 1.16.0's
+``GRPOTrainer._compute_loss`` is the source of each variant's formula (see ``policy_loss``).
 """
+
+import math
 
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo", "length_alpha")
+LOSS_TYPES = (
+    "grpo", "dr_grpo", "bnpo", "dapo", "length_alpha", "luspo", "cispo", "sapo", "vespo"
+)  # fmt: skip
+# The loss types whose policy term is the PPO clipped surrogate (the others: `policy_loss`).
+CLIPPED_LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo", "length_alpha", "luspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# verl's bounds on k3 ("low_var_kl"): the log-ratio, then the estimate (``core_algos.kl_penalty``).
+VERL_KL_CLAMP = (20.0, 10.0)
+
+
+def log_importance_weights(
+    log_probs: Tensor, old_log_probs: Tensor, mask: Tensor | None = None, level: str = "token"
+) -> Tensor:
+    """log rho: (batch, seq_len) per token, or (batch, 1) per sequence.
+
+    "token": log pi - log pi_old at each token (PPO, GRPO). "sequence": GSPO's length-normalised
+    sequence ratio, log rho_i = 1/L_i sum_t (log pi_it - log pi_old_it), shared by the tokens of
+    sequence i (TRL's ``importance_sampling_level="sequence"``; TRL clamps L_i at 1). pi_old is
+    a constant of the objective, so ``old_log_probs`` is detached. ``mask`` (batch, seq_len) is
+    needed for "sequence" only.
+    """
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"unknown importance_sampling_level {level!r}; expected one of "
+            f"{IMPORTANCE_SAMPLING_LEVELS}"
+        )
+    log_ratio = log_probs - old_log_probs.detach()
+    if level == "token":
+        return log_ratio
+    if mask is None:
+        raise ValueError("importance_sampling_level 'sequence' needs the mask")
+    mask = mask.to(log_ratio.dtype)
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
 
 def clipped_surrogate(
@@ -36,6 +85,9 @@ def clipped_surrogate(
     *,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
+    delta: float | None = None,
+    mask: Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate, negated so that it is a loss.
 
@@ -47,38 +99,129 @@ def clipped_surrogate(
         advantages: (batch,), broadcast over the tokens of each sequence.
         epsilon, epsilon_high: clip the ratio to [1 - epsilon, 1 + epsilon_high];
             epsilon_high defaults to epsilon (TRL), DAPO's "clip-higher" raises it.
+        delta: TRL's two-sided clipping: the unclipped ratio is capped at ``delta``, so that
+            -min(min(rho, delta) A, clip(rho) A) bounds the loss of a negative advantage at
+            -delta A (TRL recommends delta > 1 + epsilon_high, which leaves A > 0 as PPO's).
+            With delta > 1 + epsilon_high this is verl's dual-clip PPO with
+            ``clip_ratio_c = delta`` (Ye et al. 2019; verl's default is 3 and always on).
+        mask, importance_sampling_level: see `log_importance_weights`; "sequence" is GSPO.
 
     Returns:
         per_token_loss: (batch, seq_len).
         is_clipped: (batch, seq_len) bool, True where the clipped term is the
             minimum: rho > 1 + epsilon_high with A > 0, or rho < 1 - epsilon with
-            A < 0 (TRL's ``clip_ratio``). These tokens get no gradient.
+            A < 0 (TRL's ``clip_ratio/region_mean``). These tokens get no gradient.
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     if epsilon < 0 or epsilon_high < 0:
-        raise ValueError(
-            f"epsilon and epsilon_high must be >= 0, got {epsilon} and {epsilon_high}"
-        )
-    if log_probs.dim() != 2:
-        raise ValueError(
-            f"log_probs must be 2-D (batch, seq_len), got shape {tuple(log_probs.shape)}"
-        )
-    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
-    if advantages.shape != log_probs.shape[:1]:
-        raise ValueError(
-            f"advantages must have shape (batch,) = {tuple(log_probs.shape[:1])}, "
-            f"got {tuple(advantages.shape)}"
-        )
-
-    ratio = torch.exp(log_probs - old_log_probs.detach())
+        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon} and {epsilon_high}")
+    if delta is not None and delta <= 1:
+        raise ValueError(f"delta must be > 1, got {delta}")
+    _check_policy_inputs(log_probs, old_log_probs, advantages)
+    ratio = torch.exp(
+        log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
+    )
     advantages = advantages.unsqueeze(1)
-    unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
-    is_clipped = clipped < unclipped
-    return -torch.minimum(unclipped, clipped), is_clipped
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token_loss = -torch.minimum(capped * advantages, clipped)
+    low, high = clip_regions(ratio, advantages.squeeze(1), epsilon, epsilon_high)
+    return per_token_loss.expand_as(log_probs), (low | high).expand_as(log_probs)
 
 
-def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") -> Tensor:
+def clip_regions(
+    ratio: Tensor, advantages: Tensor, epsilon: float, epsilon_high: float
+) -> tuple[Tensor, Tensor]:
+    """TRL's clipped tokens, low (rho < 1 - epsilon, A < 0) and high (rho > 1 + epsilon_high,
+    A > 0): ratio (batch, seq_len) or (batch, 1), advantages (batch,)."""
+    advantages = advantages.unsqueeze(1)
+    return (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    loss_type: str = "grpo",
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+) -> Tensor:
+    """The per-token policy term of ``loss_type``, before the KL and the aggregation:
+    (batch, seq_len). Inputs as `clipped_surrogate`; rho from `log_importance_weights`.
+
+    - the PPO clipped surrogate (`CLIPPED_LOSS_TYPES`, `clipped_surrogate`);
+    - "cispo" (MiniMax-M1): -sg(min(rho, epsilon_high)) A log pi, a REINFORCE term weighted by
+      the ratio capped at ``epsilon_high`` itself (TRL's convention: the cap is epsilon_high,
+      not 1 + epsilon_high), so clipped tokens keep their gradient;
+    - "sapo" (Soft Adaptive Policy Optimization): -sigma(tau (rho - 1)) 4 / tau A, a smooth gate
+      in place of the clip, tau = ``sapo_temperature_pos`` where A > 0, else ``_neg``;
+    - "vespo": -sg(phi(w_i)) A log pi with w_i = exp(sum_t log rho_it) the sequence's ratio and
+      phi(w) = exp(lambda) w^k exp(-lambda w) (phi(1) = 1), (k, lambda) = ``vespo_k_pos``,
+      ``vespo_lambda_pos`` where A >= 0, else ``_neg``; TRL clamps the token log-ratios to
+      [-20, 20] and log w to [log 1e-8, 20], and sets non-finite phi to 0.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if loss_type in CLIPPED_LOSS_TYPES:
+        per_token_loss, _ = clipped_surrogate(
+            log_probs, old_log_probs, advantages, epsilon=epsilon, epsilon_high=epsilon_high,
+            delta=delta, mask=mask, importance_sampling_level=importance_sampling_level,
+        )  # fmt: skip
+        return per_token_loss
+    _check_policy_inputs(log_probs, old_log_probs, advantages)
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
+    ratio = torch.exp(log_ratio)
+    column = advantages.unsqueeze(1)
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * column * log_probs
+    elif loss_type == "sapo":
+        tau = torch.where(
+            column > 0, *column.new_tensor([sapo_temperature_pos, sapo_temperature_neg])
+        )
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * column
+    else:  # vespo: phi is a weight, not differentiated
+        with torch.no_grad():
+            token_log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+            log_w = (token_log_ratio * mask.to(log_probs.dtype)).sum(-1, keepdim=True)
+            log_w = log_w.clamp(math.log(1e-8), 20.0)
+            positive = column >= 0
+            k = torch.where(positive, *column.new_tensor([vespo_k_pos, vespo_k_neg]))
+            lam = torch.where(
+                positive, *column.new_tensor([vespo_lambda_pos, vespo_lambda_neg])
+            ).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+            phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi * column * log_probs
+    return per_token_loss.expand_as(log_probs)
+
+
+def off_policy_sequence_mask(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): (batch, 1),
+    0 for a sequence with A_i < 0 whose mean token log(pi_old / pi) exceeds ``threshold``
+    (a negative sample the policy has already moved away from), else 1."""
+    mask = mask.to(log_probs.dtype)
+    drift = (old_log_probs - log_probs.detach()).nan_to_num(nan=0.0)
+    mean_drift = (drift * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    keep = (advantages.unsqueeze(1) >= 0) | (mean_drift <= threshold)
+    return keep.to(log_probs.dtype)
+
+
+def kl_penalty(
+    log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3", *, clamp: bool = False
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
     With x = log(pi / pi_ref) at the sampled token (Schulman, "Approximating
@@ -91,18 +234,29 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") 
     k3 is unbiased because E_pi[pi_ref / pi] = 1, so it is k1 plus a zero-mean
     control variate.
 
+    ``clamp`` (k3 only) is verl's "low_var_kl": x clamped to [-20, 20] before the exponential,
+    the estimate to [-10, 10] after (``VERL_KL_CLAMP``). It changes the value only where
+    |x| > ~2.2 (pi/pi_ref beyond e^-11.9 or ~ e^11.9 gives k3 > 10), and there the clamped
+    tokens get no gradient. TRL does not clamp.
+
     log_probs, ref_log_probs: (batch, seq_len); the frozen reference is detached.
     Returns kl: (batch, seq_len).
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    if clamp and estimator != "k3":
+        raise ValueError(f"clamp is verl's bound on k3 ('low_var_kl'), not on {estimator!r}")
     _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
     log_ratio = log_probs - ref_log_probs.detach()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    return torch.exp(-log_ratio) - 1 + log_ratio
+    if not clamp:
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    log_bound, kl_bound = VERL_KL_CLAMP
+    log_ratio = log_ratio.clamp(-log_bound, log_bound)
+    return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-kl_bound, kl_bound)
 
 
 def length_weights(lengths: Tensor, alpha: float) -> Tensor:
@@ -120,20 +274,22 @@ def aggregate(
     *,
     max_completion_length: int | None = None,
     alpha: float | None = None,
+    allow_empty: bool = False,
 ) -> Tensor:
     """Reduce a (batch, seq_len) per-token loss to a scalar.
 
     With L_i the number of unmasked tokens of sequence i and B the batch size:
 
-    - "grpo": 1/B sum_i (1/L_i) sum_t l_it. TRL clamps L_i at 1; we raise on
-      an empty sequence instead, as it is almost always a bug in the mask.
+    - "grpo", "sapo": 1/B sum_i (1/L_i) sum_t l_it. TRL clamps L_i at 1; we raise on
+      an empty sequence instead, as it is almost always a bug in the mask, unless
+      ``allow_empty`` (TRL's ``mask_truncated_completions`` empties the truncated ones).
     - "dr_grpo": sum_it l_it / (B * max_completion_length), with
       max_completion_length defaulting to seq_len.
-    - "bnpo", "dapo": sum_it l_it / sum_i L_i. TRL's "dapo" divides by the
-      token count over all processes, which is the same on one process.
+    - "bnpo", "dapo", "cispo", "vespo": sum_it l_it / sum_i L_i. On one batch they agree; the
+      trainer's micro-batches tell them apart (module docstring).
+    - "luspo": sum_it l_it / B (verl's "seq-mean-token-sum").
     - "length_alpha": 1/B sum_i L_i^(alpha - 1) sum_t l_it. alpha = 0 gives
-      "grpo"; alpha = 1 gives sum_it l_it / B, which is "dr_grpo" times
-      max_completion_length.
+      "grpo"; alpha = 1 gives "luspo", which is "dr_grpo" times max_completion_length.
 
     per_token_loss: (batch, seq_len); mask: (batch, seq_len) of 0/1, 1 for
     completion tokens. ``max_completion_length`` is used by "dr_grpo" only,
@@ -147,12 +303,14 @@ def aggregate(
     lengths = mask.sum(dim=1)
     num_sequences = per_token_loss.shape[0]
 
-    if loss_type in ("grpo", "length_alpha") and not (lengths > 0).all():
-        raise ValueError(
-            f"loss_type {loss_type!r} divides by sequence lengths, but rows "
-            f"{(lengths == 0).nonzero().flatten().tolist()} of the mask are all zero"
-        )
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo", "length_alpha") and not (lengths > 0).all():
+        if not allow_empty:
+            raise ValueError(
+                f"loss_type {loss_type!r} divides by sequence lengths, but rows "
+                f"{(lengths == 0).nonzero().flatten().tolist()} of the mask are all zero"
+            )
+        lengths = lengths.clamp(min=1.0)  # an empty row's sum is 0: it counts in B only
+    if loss_type in ("grpo", "sapo"):
         return (sequence_sums / lengths).mean()
     if loss_type == "dr_grpo":
         if max_completion_length is None:
@@ -160,11 +318,15 @@ def aggregate(
         if max_completion_length <= 0:
             raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
         return sequence_sums.sum() / (num_sequences * max_completion_length)
+    if loss_type == "luspo":
+        return sequence_sums.sum() / num_sequences
     if loss_type == "length_alpha":
         if alpha is None:
             raise ValueError("loss_type 'length_alpha' needs alpha")
         return (length_weights(lengths, alpha) * sequence_sums).sum() / num_sequences
     if lengths.sum() == 0:
+        if allow_empty:
+            return sequence_sums.sum()  # TRL: the token count is clamped at 1
         raise ValueError(f"loss_type {loss_type!r} needs at least one unmasked token")
     return sequence_sums.sum() / lengths.sum()
 
@@ -183,39 +345,89 @@ def grpo_loss(
     max_completion_length: int | None = None,
     alpha: float | None = None,
     kl_estimator: str = "k3",
+    kl_clamp: bool = False,
+    use_bias_correction_kl: bool = False,
+    off_policy_mask_threshold: float | None = None,
+    allow_empty: bool = False,
+    **variant,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO loss: clipped surrogate plus beta * KL, reduced by ``loss_type``.
+    """GRPO loss: the policy term of ``loss_type`` plus beta * KL, reduced by ``loss_type``.
 
     log_probs, old_log_probs, mask: (batch, seq_len); advantages: (batch,).
     ref_log_probs: (batch, seq_len), or None when beta == 0 (TRL's default since
     DAPO and Dr. GRPO dropped the KL term). ``alpha`` is for "length_alpha"
     only; this argument is not in TRL, which has no such loss_type.
+    ``use_bias_correction_kl`` multiplies the per-token KL by the (differentiable) ratio rho
+    (TRL's option, True by default in TRL 1.16): the KL is estimated from tokens sampled from
+    pi_old, and rho reweights them to pi. ``kl_clamp``: verl's bounds on k3 (`kl_penalty`).
+    ``off_policy_mask_threshold``: `off_policy_sequence_mask` multiplies the policy term.
+    ``variant``: the keyword options of `policy_loss` (``delta``, ``importance_sampling_level``,
+    ``sapo_temperature_pos``, ...).
 
-    Returns the scalar loss and stats: "kl", the masked mean of the KL estimate
-    (0.0 without a reference), and "clip_ratio", the fraction of unmasked
-    tokens that are clipped.
+    Returns the scalar loss and stats: "kl", the masked mean of the KL estimate (bias-corrected
+    as in the loss; 0.0 without a reference), "clip_ratio", the fraction of unmasked tokens that
+    are clipped (TRL's "clip_ratio/region_mean"), and its "clip_ratio/low_mean" and
+    "clip_ratio/high_mean" parts (0 for the loss types without a clip).
     """
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and ref_log_probs is None:
         raise ValueError(f"beta = {beta} > 0 needs ref_log_probs")
-    per_token_loss, is_clipped = clipped_surrogate(
-        log_probs, old_log_probs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
-    )
+    per_token_loss = policy_loss(
+        log_probs, old_log_probs, advantages, mask, loss_type,
+        epsilon=epsilon, epsilon_high=epsilon_high, **variant,
+    )  # fmt: skip
     _check_same_shape("log_probs", log_probs, "mask", mask)
     mask = mask.to(log_probs.dtype)
+    level = variant.get("importance_sampling_level", "token")
+    ratio = torch.exp(log_importance_weights(log_probs, old_log_probs, mask, level))
+    if off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_sequence_mask(
+            log_probs, old_log_probs, advantages, mask, off_policy_mask_threshold
+        )
     # Stats are logged for monitoring, so an all-masked batch reports 0, not NaN.
     num_tokens = mask.sum().clamp(min=1)
     kl_mean = 0.0
     if ref_log_probs is not None:
-        kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
+        kl = kl_penalty(log_probs, ref_log_probs, kl_estimator, clamp=kl_clamp)
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_token_loss = per_token_loss + beta * kl
         kl_mean = ((kl * mask).sum() / num_tokens).item()
     loss = aggregate(
-        per_token_loss, mask, loss_type, max_completion_length=max_completion_length, alpha=alpha
-    )
-    stats = {"kl": kl_mean, "clip_ratio": ((is_clipped * mask).sum() / num_tokens).item()}
+        per_token_loss, mask, loss_type, max_completion_length=max_completion_length,
+        alpha=alpha, allow_empty=allow_empty,
+    )  # fmt: skip
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    low, high = clip_regions(ratio, advantages, epsilon, epsilon_high)
+    if loss_type not in CLIPPED_LOSS_TYPES:
+        low, high = torch.zeros_like(low), torch.zeros_like(high)
+
+    def token_mean(flags: Tensor) -> float:
+        if flags.shape[1] == 1:  # a sequence-level ratio: TRL averages over the sequences
+            return flags.to(mask.dtype).mean().item()
+        return ((flags * mask).sum() / num_tokens).item()
+
+    stats = {
+        "kl": kl_mean,
+        "clip_ratio": token_mean(low | high),
+        "clip_ratio/low_mean": token_mean(low),
+        "clip_ratio/high_mean": token_mean(high),
+    }
     return loss, stats
+
+
+def _check_policy_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor) -> None:
+    if log_probs.dim() != 2:
+        raise ValueError(
+            f"log_probs must be 2-D (batch, seq_len), got shape {tuple(log_probs.shape)}"
+        )
+    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
+    if advantages.shape != log_probs.shape[:1]:
+        raise ValueError(
+            f"advantages must have shape (batch,) = {tuple(log_probs.shape[:1])}, "
+            f"got {tuple(advantages.shape)}"
+        )
 
 
 def _check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:

@@ -13,9 +13,10 @@ E[s] = grad sum_y pi(y) = grad 1 = 0, a constant baseline b leaves it unbiased:
 
     g_b = (1/n) sum_i (r(y_i) - b) s(y_i),      E[g_b] = grad J.
 
-The variance of one sample (the trace of its covariance) is a quadratic in b,
+The variance of one sample's estimate g_b = (r - b) s (the trace of its covariance) is a
+quadratic in b,
 
-    V(b) = E[(r - b)^2 ||s||^2] - ||grad J||^2,
+    Var[g_b] = E[(r - b)^2 ||s||^2] - ||grad J||^2,
 
 minimised by b* = E[||s||^2 r] / E[||s||^2]: the mean reward weighted by the squared score
 norm, which equals the mean reward E[r] only when ||s||^2 and r are uncorrelated.
@@ -126,6 +127,27 @@ class SequencePolicy:
         )
 
 
+def exact_prefix_values(
+    policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor
+) -> torch.Tensor:
+    """V(y_<t) = E[r | y_<t] at every sequence for t = 0..length, `(num_sequences, length + 1)`.
+
+    `rewards: (num_sequences,)` indexed like `all_sequences()` (any per-sequence quantity gives
+    its conditional mean). Column 0 is J, the last column r itself, and V(s_{t+1}) - V(s_t) is
+    token t's advantage. Sequences are numbered lexicographically, so the prefix y_<t of a
+    sequence is its number's leading t base-`vocab_size` digits.
+    """
+    probs = policy.probs(logits).detach()
+    numbers = torch.arange(policy.num_sequences)
+    columns = []
+    for t in range(policy.length + 1):
+        prefix = numbers // policy.vocab_size ** (policy.length - t)
+        mass = torch.zeros(policy.vocab_size**t, dtype=probs.dtype).index_add_(0, prefix, probs)
+        total = torch.zeros_like(mass).index_add_(0, prefix, probs * rewards)
+        columns.append((total / mass)[prefix])
+    return torch.stack(columns, dim=1)
+
+
 def softmax_policy_gradient(logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     """Closed form for a softmax bandit, `logits, rewards: (num_actions,)`:
     dJ/dlogits_a = pi_a (r_a - J).  The exact gradient is the reward's deviation from its mean,
@@ -149,7 +171,7 @@ def reinforce_gradient(scores: torch.Tensor, rewards: torch.Tensor, baseline=0.0
 def estimator_variance(
     policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor, baselines
 ) -> torch.Tensor:
-    """Exact V(b) = E[(r - b)^2 ||s||^2] - ||grad J||^2 of a single-sample estimator, by enumeration.
+    """Exact Var[g_b] = E[(r - b)^2 ||s||^2] - ||grad J||^2 of one sample's estimate, enumerated.
 
     `rewards: (num_sequences,)`; `baselines`: a number or a tensor `(num_baselines,)`; returns
     the same shape as `baselines`.  Divide by n for the variance of the n-sample mean.
@@ -163,7 +185,7 @@ def estimator_variance(
 
 
 def optimal_baseline(policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor) -> float:
-    """b* = E[||s||^2 r] / E[||s||^2], the constant baseline of least variance (argmin of V(b))."""
+    """b* = E[||s||^2 r] / E[||s||^2], the constant baseline of least variance: argmin Var[g_b]."""
     probs = policy.probs(logits)
     squared_norms = policy.scores(logits, policy.all_sequences()).square().sum(dim=1)
     return float((probs * squared_norms) @ rewards / (probs @ squared_norms))

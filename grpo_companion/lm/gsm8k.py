@@ -136,7 +136,7 @@ _TEMPLATES = {
     "-b+c": "{n} has {a} {x}. {P} gives {b} to a friend and then finds {c} more.",
     "*b-c": "{n} buys {a} bags with {b} {x} in each bag. {P} gives {c} {x} away.",
     "+b-c+d": "{n} has {a} {x}. {P} gets {b} more, loses {c}, and then buys {d} more.",
-    "*b/c": "{n} has {a} boxes with {b} {x} in each box. {P} shares them equally among {c} friends.",
+    "*b/c": "{n} has {a} boxes with {b} {x} in each box. {P} shares them equally among {c} friends.",  # noqa: E501
 }
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 
@@ -254,7 +254,8 @@ def load_gsm8k(
         num_examples: "hub"/"jsonl": the first n examples (lm-eval's ``--limit``); generated
             sources: how many distinct problems (default: GSM8K's size for the split).
         skip: start after the split's first `skip` problems (same source and seed), so that
-            ``load_gsm8k("train", skip=k)`` is disjoint from ``load_gsm8k("train", num_examples=k)``:
+            ``load_gsm8k("train", skip=k)`` is disjoint from ``load_gsm8k("train",
+            num_examples=k)``:
             a validation set drawn from the training split, which leaves the test split unseen.
         seed: generated sources only. Train and test questions never overlap, for any seed.
         hub_timeout: seconds to wait for the Hub's TCP handshake before giving up.

@@ -1,4 +1,4 @@
-"""Policies for the GSM8K chapters: `load_policy(name) -> (model, tokenizer)`.
+"""Policies of the language-model testbed (chapter 4): `load_policy(name) -> (model, tokenizer)`.
 
     "tiny-llama"      a 4-layer, 256-wide Llama trained here from scratch on the project's
                       arithmetic word problems (``gsm8k.load_gsm8k(source="arithmetic")``)
@@ -14,7 +14,8 @@
 
 Every model is prompted through `format_prompt(tokenizer, question)`, which renders the
 tokenizer's own chat template: the tiny Llama's tokenizer carries a plain
-"Question: ... / Answer:" template, the chat models their own.
+"Question: ... / Answer:" template, the chat models their own. `build_prompts(tokenizer,
+problems)` gives the prompts and gold answers of a batch of problems.
 
 The tiny Llama's tokenizer is built offline with ``tokenizers``: a word-level vocabulary of
 the generated problems with ONE TOKEN PER DIGIT, so that a number is spelled digit by digit
@@ -34,6 +35,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import huggingface_hub
@@ -97,6 +99,7 @@ def load_policy(
     cache_dir: Path = DEFAULT_CACHE_DIR,
     seed: int = 0,
     progress: bool = True,
+    dtype: "str | torch.dtype | None" = None,
 ):
     """(model, tokenizer) for `name`, the model in eval mode on `device`.
 
@@ -104,16 +107,23 @@ def load_policy(
     "tiny-llama" (its architecture, warm start, and where its checkpoint is kept); pretrained
     weights don't depend on them. ``progress=False`` hides every progress bar, the warm
     start's and those transformers draws while converting a GGUF file or downloading.
+    `dtype` ("float32", or a ``torch.dtype``) casts the weights after loading; None keeps the
+    loading dtype (float32, or bfloat16 for a pretrained model on CUDA). Training wants
+    float32: bfloat16's 8-bit significand rounds away an AdamW update smaller than about
+    2^-9 of a weight.
     """
     if name == "tiny-llama":
-        return load_tiny_llama(
+        model, tokenizer = load_tiny_llama(
             spec or TinyLlamaSpec(seed=seed), cache_dir=cache_dir, device=device, progress=progress
         )
-    # transformers' GGUF conversion bar ignores its logging switches: silence its stream.
-    with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
-        if name == "smollm2-135m":
-            return _load_smollm2(device)
-        return _load_from_hub(name, device)
+    else:
+        # transformers' GGUF conversion bar ignores its logging switches: silence its stream.
+        with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
+            loader = _load_smollm2 if name == "smollm2-135m" else partial(_load_from_hub, name)
+            model, tokenizer = loader(device)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return model, tokenizer
 
 
 # --- tiny-llama ------------------------------------------------------------------------
@@ -180,9 +190,9 @@ class TinyLlamaSpec:
     def __post_init__(self):
         for name in ("eval_every", "batch_size", "num_threads", "num_train_examples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"TinyLlamaSpec.{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"TinyLlamaSpec.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"TinyLlamaSpec.target_accuracy must be in (0, 1], got {self.target_accuracy}")
+            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
 
     @property
     def num_train_split_problems(self) -> int:
@@ -257,14 +267,13 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
         return greedy_accuracy(
             model,
             tokenizer,
-            [format_prompt(tokenizer, q) for q in problems["question"]],
-            [gold_answer(a) for a in problems["answer"]],
+            *build_prompts(tokenizer, problems),
             max_completion_length=spec.max_completion_length,
         )
 
-    prompt_ids = tokenizer(
-        [format_prompt(tokenizer, q) for q in questions], add_special_tokens=False
-    )["input_ids"]
+    prompt_ids = tokenizer(build_prompts(tokenizer, train)[0], add_special_tokens=False)[
+        "input_ids"
+    ]
     answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
     examples = [
         (prompt, answer + [tokenizer.eos_token_id])
@@ -285,7 +294,7 @@ def warm_start(spec: TinyLlamaSpec = TinyLlamaSpec(), *, progress: bool = True):
 
     losses, curve = [], []
     with _torch_threads(spec.num_threads):
-        bar = tqdm(range(1, spec.train_steps + 1), desc="tiny-llama warm start", disable=not progress)
+        bar = tqdm(range(1, spec.train_steps + 1), desc="warm start", disable=not progress)
         for step in bar:
             model.train()
             rows = torch.randint(len(examples), (spec.batch_size,), generator=generator).tolist()
@@ -451,8 +460,8 @@ def _load_from_hub(name: str, device: str):
     local_files_only = not _hub_reachable(name)
     if local_files_only and not _in_hf_cache(name):
         raise ModelUnavailableError(
-            f"cannot load {name!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE set) "
-            f"and the model is not in the local cache. Offline choices: {', '.join(map(repr, OFFLINE_MODELS))}."
+            f"cannot load {name!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE"
+            f" set) and the model is not cached. Offline: {', '.join(map(repr, OFFLINE_MODELS))}."
         )
     tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
     if tokenizer.pad_token is None:  # batched generation pads prompts

@@ -112,6 +112,10 @@ def sequence_log_probs(
     attention_mask: Tensor,
     completion_mask: Tensor,
     temperature: float = 1.0,
+    *,
+    causal_mask: Tensor | None = None,
+    params: dict[str, Tensor] | None = None,
+    inputs_embeds: Tensor | None = None,
 ) -> Tensor:
     """Teacher-forced log-probs of the last T tokens of each row.
 
@@ -119,24 +123,40 @@ def sequence_log_probs(
         input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
         completion_mask: (N, T), 1 on the completion tokens whose log-prob is wanted.
         temperature: the logits are divided by it, as when sampling.
+        causal_mask: (N, 1, P + T, P + T) additive mask given to the model instead of
+            ``attention_mask`` (which still sets the positions), e.g.
+            ``gradients.causal_attention_mask``: what `torch.func.vmap` and float64 models need.
+        params: replace the model's own parameters (`torch.func.functional_call`).
+        inputs_embeds: (N, P + T, hidden) replace the embedding lookup of ``input_ids`` (to
+            differentiate with respect to them).
 
     Returns:
-        log_probs: (N, T) float32, log softmax(logits / temperature) at the given tokens,
-            0 where ``completion_mask`` is 0. Differentiable when grad is enabled.
+        log_probs: (N, T), log softmax(logits / temperature) at the given tokens, 0 where
+            ``completion_mask`` is 0; float32, or float64 for a float64 model. Differentiable
+            when grad is enabled; ``.sum(dim=1)`` is log pi(y | x) of each row.
             Memory peaks at N * (T + 1) * vocab float32 logits: micro-batch large vocabularies.
     """
     completion_length = completion_mask.shape[1]
     # The positions `generate` gives left-padded rows: real tokens counted from 0. (RoPE sees
     # only relative positions, so this matters to rounding alone for Llama; not in general.)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=completion_length + 1,  # the lm head only runs where it is needed
-    ).logits
-    # Logits at position t predict token t + 1; the last position predicts nothing here.
-    logits = logits[:, :-1].float() / temperature
+    inputs = {
+        "input_ids": input_ids if inputs_embeds is None else None,
+        "attention_mask": attention_mask if causal_mask is None else causal_mask,
+        "position_ids": position_ids,
+        "logits_to_keep": completion_length + 1,  # the lm head only runs where it is needed
+    }
+    if inputs_embeds is not None:
+        inputs["inputs_embeds"] = inputs_embeds
+    if params:
+        logits = torch.func.functional_call(model, params, (), inputs).logits
+    else:
+        logits = model(**inputs).logits
+    # Logits at position t predict token t + 1; the last position predicts nothing here. At
+    # least float32 (a bfloat16 model's logits are upcast); float64 stays float64.
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1:  # else skip a copy of the largest activation
+        logits = logits / temperature
     targets = input_ids[:, -completion_length:]
     log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     return torch.where(completion_mask.bool(), log_probs, 0.0)
@@ -179,7 +199,7 @@ def generate_rollouts(
     """
     if not prompts or len(prompts) != len(golds):
         raise ValueError(
-            f"need as many golds as prompts, at least one: got {len(prompts)} prompts, {len(golds)} golds"
+            f"need as many golds as prompts, at least one: got {len(prompts)} and {len(golds)}"
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
@@ -331,7 +351,7 @@ def cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: i
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every token that ends a completion: chat models often have several (end of turn, end of text)."""
+    """Every token that ends a completion: chat models often have several (end of turn, text)."""
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
     return [eos] if isinstance(eos, int) else list(eos)

@@ -1,42 +1,102 @@
-"""Command line: `python -m grpo_companion {list,run,book,html}`; `--help` on each says more.
+"""Command line of the book: `python -m grpo_companion {list,run,book,html}`.
 
-python -m grpo_companion book --profile smoke           # every chapter, then the HTML
-python -m grpo_companion run 01_policy_gradient -p num_repeats 50
+Every command and subcommand answers `--help` with what it does and an example.
 """
 
 import argparse
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from grpo_companion.machinery.pipeline import PipelineError, Project, build_html, execute_chapter, parse_value
+from grpo_companion.machinery.pipeline import (
+    PipelineError,
+    Project,
+    build_html,
+    chapter_parameters,
+    execute_chapter,
+    parse_value,
+)
+
+DESCRIPTION = """\
+Execute the GRPO Companion's chapters with papermill and render the book with Jupyter Book.
+Outputs go under ROOT/_build: executed notebooks, figures/<chapter>/, results/<chapter>.json,
+and html/."""
+
+EXAMPLES = """\
+examples:
+  python -m grpo_companion list
+  python -m grpo_companion run 01_policy_gradient -p num_repeats 50
+  python -m grpo_companion book --profile smoke
+  python -m grpo_companion --build-dir /tmp/book html"""
+
+# name: (what it does, in one line; more; an example)
+COMMANDS = {
+    "list": (
+        "list the chapters, their parameters and the profiles",
+        "Each chapter with its parameters (name: default), then the profiles of "
+        "book/profiles.toml.",
+        "python -m grpo_companion list",
+    ),
+    "run": (
+        "execute chapters (no HTML)",
+        "Execute the named chapters in order under a profile, with optional parameter overrides. "
+        "A chapter's notebook, figures and results are published only once all its cells "
+        "succeeded and it recorded the keys and figures book/results.toml declares.",
+        "python -m grpo_companion run 10_group_size --profile smoke -p group_sizes '[2, 4, 8]'",
+    ),
+    "book": (
+        "execute every chapter, then build the HTML",
+        "Execute every chapter of the book under a profile, then render the HTML with Sphinx "
+        "warnings as errors.",
+        "python -m grpo_companion book --profile smoke",
+    ),
+    "html": (
+        "build the HTML from the chapters executed so far",
+        "Render the HTML from the executed chapters under the build folder (every chapter must "
+        "have run), with Sphinx warnings as errors.",
+        "python -m grpo_companion html",
+    ),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="python -m grpo_companion", description=__doc__.splitlines()[0]
+        prog="python -m grpo_companion",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=formatter,
     )
     parser.add_argument(
         "--root", type=Path, default=Path.cwd(), help="the book's folder (default: here)"
     )
     parser.add_argument("--build-dir", type=Path, help="where outputs go (default: ROOT/_build)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="chapters, their parameters and the profiles")
-    for name, text in (
-        ("run", "execute chapters (no HTML)"),
-        ("book", "execute every chapter, then build the HTML"),
-    ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument(
-            "--profile",
-            default="cpu",
-            help="parameter profile from book/profiles.toml (default: cpu)",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (summary, text, example) in COMMANDS.items():
+        command = commands.add_parser(
+            name,
+            help=summary,
+            description=textwrap.fill(text, 79),
+            epilog=f"example:\n  {example}",
+            formatter_class=formatter,
         )
+        if name in ("run", "book"):
+            command.add_argument(
+                "--profile",
+                default="cpu",
+                help="parameter profile of book/profiles.toml: smoke, cpu or gpu (default: cpu)",
+            )
+            command.add_argument(
+                "--no-progress", action="store_true", help="hide papermill's cell progress bar"
+            )
         if name == "run":
-            command.add_argument("chapters", nargs="+", metavar="CHAPTER")
+            command.add_argument(
+                "chapters", nargs="+", metavar="CHAPTER", help="a chapter's name, e.g. 05_credit"
+            )
             command.add_argument(
                 "-p",
                 "--parameter",
@@ -44,12 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                 action="append",
                 default=[],
                 metavar=("NAME", "VALUE"),
-                help="override a parameter of the named chapters (repeatable)",
+                help="override a parameter of the named chapters (repeatable); VALUE is a Python "
+                "literal or else a string",
             )
-        command.add_argument(
-            "--no-progress", action="store_true", help="hide papermill's cell progress bar"
-        )
-    commands.add_parser("html", help="build the HTML from the chapters executed so far")
     return parser
 
 
@@ -79,8 +136,6 @@ def main(argv=None) -> int:
     project = Project(args.root, args.build_dir)
     try:
         if args.command == "list":
-            from grpo_companion.machinery.pipeline import chapter_parameters
-
             for chapter in project.chapters:
                 print(chapter, chapter_parameters(project.source(chapter)))
             print("profiles:", ", ".join(project.profiles))
@@ -93,12 +148,9 @@ def main(argv=None) -> int:
         if args.command in ("book", "html"):
             start = time.perf_counter()
             html = build_html(project)
-            print(
-                f"built the HTML in {time.perf_counter() - start:.1f} s; open {html / 'index.html'}"
-            )
+            seconds = time.perf_counter() - start
+            print(f"built the HTML in {seconds:.1f} s; open {html / 'index.html'}")
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
-
-

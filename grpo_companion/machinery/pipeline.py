@@ -3,19 +3,20 @@
 Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs.  A run:
 
 1. reads the chapter's `parameters` cell and refuses, before any cell runs, an override whose
-   name the chapter does not declare or whose type differs from the default's;
+   name the chapter does not declare or whose type differs from the default's, and a chapter
+   without a table in `book/results.toml` (the result keys and figures it records);
 2. converts the source with jupytext and executes it with papermill into `_build/tmp/<chapter>/`,
    injecting the profile's parameters (`book/profiles.toml`), the user's overrides,
    `profile` and `output_dir`, and `build_dir` (the build's folder, where the other chapters'
-   results and figures are) when the chapter declares it, as chapter 10 does;
-3. only when every cell succeeded, replaces the chapter's published outputs in one move each:
-   `_build/source/book/<chapter>.ipynb`, `_build/figures/<chapter>/`, `_build/results/<chapter>.json`.
-   A failing chapter leaves its partial notebook in `_build/failed/` (until it next succeeds)
-   and every published output as it was.
+   results and figures are) when the chapter declares it, as chapter 12 does;
+3. only when every cell succeeded and the chapter recorded exactly the keys and figures it
+   declares, replaces its published outputs in one move each: `_build/source/book/<chapter>.ipynb`,
+   `_build/figures/<chapter>/`, `_build/results/<chapter>.json`. A failing chapter leaves its
+   notebook in `_build/failed/` (until it next succeeds) and every published output as it was.
 
-`build_html` renders `_build/source` (a copy of the book with the executed notebooks, plus
-`_build/figures` as `figures/`, so pages can link them) into `_build/html` with
-`execute_notebooks: off` and warnings as errors.
+`build_html` renders `_build/source` (a copy of the book with the executed notebooks, its other
+pages and `references.bib`, plus `_build/figures` as `figures/`, so pages can link them) into
+`_build/html` with `execute_notebooks: off` and warnings as errors.
 """
 
 import ast
@@ -29,9 +30,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_companion.machinery.declarations import load_declarations, mismatches
+
 RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
-INJECTED_IF_DECLARED = ("build_dir",)  # injected by the pipeline into the chapters that declare it
-SHARED = "shared"  # profiles.toml: `[<profile>.shared]` holds values for every chapter declaring them
+INJECTED_IF_DECLARED = ("build_dir",)  # injected into the chapters that declare it
+SHARED = "shared"  # profiles.toml: `[<profile>.shared]` values go to every chapter declaring them
 
 
 class PipelineError(Exception):
@@ -71,6 +74,17 @@ class Project:
     def results_path(self, chapter: str) -> Path:
         return self.build_dir / "results" / f"{chapter}.json"
 
+    def declaration(self, chapter: str) -> dict[str, list[str]]:
+        """The result keys and figures `chapter` declares in `book/results.toml`."""
+        path = self.root / "book" / "results.toml"
+        declarations = load_declarations(path) if path.exists() else {}
+        if chapter not in declarations:
+            raise PipelineError(
+                f"chapter {chapter} declares no results: add a [{chapter}] table with its "
+                f"`values` (result keys) and `figures` to {path}"
+            )
+        return declarations[chapter]
+
 
 def chapter_parameters(path: Path) -> dict:
     """The defaults declared in the cell tagged `parameters`, as Python values."""
@@ -101,7 +115,8 @@ def chapter_parameters(path: Path) -> dict:
 
 
 def parse_value(text: str):
-    """A command-line value: a Python literal when it is one (`2000`, `0.5`, `True`, `[2, 4]`), else the string."""
+    """A command-line value: a Python literal when it is one (`2000`, `0.5`, `True`, `[2, 4]`),
+    else the string."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -121,18 +136,37 @@ def _type_ok(value, default) -> bool:
 def resolve_parameters(
     project: Project, chapter: str, profile: str, overrides: dict | None = None
 ) -> dict:
-    """The profile's values for `chapter`, then `overrides`, each checked against the defaults."""
+    """The parameters `chapter` runs with: the profile's `shared` values for the parameters the
+    chapter declares, then the profile's table for the chapter, then `overrides`, each later one
+    winning, each checked against the chapter's defaults (name and type). Returns only what
+    these set; papermill injects it after the parameters cell.
+
+    A dict-valued parameter is merged key by key into the chapter's default dict, so a profile or
+    an override lists only the keys it changes. The keys inside such a dict are not checked here
+    (a default like `tiny_llama = {}` names none): a misspelt one reaches the chapter, whose
+    constructor (`GRPOConfig(**grpo)`, `TinyLlamaSpec(**tiny_llama)`) refuses it when it runs."""
     profiles = project.profiles
     if profile not in profiles:
         raise PipelineError(f"unknown profile {profile!r}; valid profiles: {', '.join(profiles)}")
     defaults = chapter_parameters(project.source(chapter))
     # A profile's `shared` table applies to every chapter that declares the parameter.
     shared = {
-        name: value
-        for name, value in profiles[profile].get(SHARED, {}).items()
-        if name in defaults
+        name: value for name, value in profiles[profile].get(SHARED, {}).items() if name in defaults
     }
-    parameters = {**shared, **profiles[profile].get(chapter, {}), **(overrides or {})}
+    layers = (shared, profiles[profile].get(chapter, {}), overrides or {})
+    for layer in layers:
+        _check_layer(chapter, layer, defaults)
+    # A chapter's table that changes one key of a shared dict keeps the shared dict's other keys.
+    parameters = {}
+    for layer in layers:
+        for name, value in layer.items():
+            if isinstance(defaults[name], dict):
+                value = {**defaults[name], **parameters.get(name, {}), **value}
+            parameters[name] = value
+    return parameters
+
+
+def _check_layer(chapter: str, parameters: dict, defaults: dict) -> None:
     for name, value in parameters.items():
         if name in RESERVED + INJECTED_IF_DECLARED:
             raise PipelineError(
@@ -148,12 +182,6 @@ def resolve_parameters(
                 f"chapter {chapter}: parameter {name!r} must be {type(defaults[name]).__name__} "
                 f"like its default {defaults[name]!r}, got {type(value).__name__} {value!r}"
             )
-    # A dict parameter (`grpo = {...}`, `tiny_llama = {...}`) is merged key by key into the
-    # chapter's default dict, so a profile lists only the settings it changes.
-    return {
-        name: {**defaults[name], **value} if isinstance(defaults[name], dict) else value
-        for name, value in parameters.items()
-    }
 
 
 def _failing_cell(notebook_path: Path) -> str:
@@ -196,6 +224,7 @@ def execute_chapter(
     import papermill
 
     parameters = resolve_parameters(project, chapter, profile, overrides)
+    declaration = project.declaration(chapter)
     work = project.build_dir / "tmp" / chapter
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -220,14 +249,22 @@ def execute_chapter(
         failed = project.build_dir / "failed" / f"{chapter}.ipynb"
         _replace(executed, failed)
         raise PipelineError(
-            f"chapter {chapter} failed in {_failing_cell(failed)} with {error.ename}: {error.evalue}; "
-            f"partially executed notebook: {failed}"
+            f"chapter {chapter} failed in {_failing_cell(failed)} with {error.ename}: "
+            f"{error.evalue}; partially executed notebook: {failed}"
         ) from None
     seconds = time.perf_counter() - start
     results = work / "out" / "results.json"
     if not results.exists():
         raise PipelineError(
             f"chapter {chapter} ran but wrote no results.json (call report.write() at the end)"
+        )
+    problems = mismatches(declaration, json.loads(results.read_text()))
+    if problems:
+        failed = project.build_dir / "failed" / f"{chapter}.ipynb"
+        _replace(executed, failed)
+        raise PipelineError(
+            f"chapter {chapter} does not match its [{chapter}] of book/results.toml: "
+            f"{'; '.join(problems)}; executed notebook: {failed}"
         )
     _replace(work / "out" / "figures", project.build_dir / "figures" / chapter)
     _replace(results, project.results_path(chapter))
@@ -246,9 +283,8 @@ def build_html(project: Project) -> Path:
         if not (source / "book" / f"{chapter}.ipynb").exists()
     ]
     if missing:
-        raise PipelineError(
-            f"not executed yet: {', '.join(missing)}; run `python -m grpo_companion run {missing[0]}` first"
-        )
+        command = f"python -m grpo_companion run {missing[0]}"
+        raise PipelineError(f"not executed yet: {', '.join(missing)}; run `{command}` first")
     mathjax = project.root / "node_modules" / "mathjax" / "es5"
     if not mathjax.exists():
         raise PipelineError(f"no local MathJax at {mathjax}; run `npm ci` (or `make setup`) first")
@@ -257,6 +293,8 @@ def build_html(project: Project) -> Path:
     for page in (project.root / "book").glob("*.md"):
         if page.stem not in project.chapters:
             shutil.copy2(page, source / "book" / page.name)
+    for bibliography in (project.root / "book").glob("*.bib"):
+        shutil.copy2(bibliography, source / "book" / bibliography.name)
     figures = source / "figures"
     shutil.rmtree(figures, ignore_errors=True)
     if (project.build_dir / "figures").exists():
@@ -282,9 +320,8 @@ def build_html(project: Project) -> Path:
     ]
     run = subprocess.run(command, check=False, capture_output=True, text=True)
     if run.returncode != 0:
-        raise PipelineError(
-            f"jupyter-book build failed (warnings are errors):\n{run.stdout[-4000:]}{run.stderr[-4000:]}"
-        )
+        output = f"{run.stdout[-4000:]}{run.stderr[-4000:]}"
+        raise PipelineError(f"jupyter-book build failed (warnings are errors):\n{output}")
     _replace(scratch / "_build" / "html", html)
     shutil.rmtree(scratch)
     return html

@@ -3,7 +3,7 @@
 Every chapter notebook makes one `ChapterReport` from its papermill parameters, saves each
 figure through it (PNG for the page, SVG for slides and papers) and records each headline
 number through it.  A recorded number is glued for the prose (myst-nb `{glue:text}`) and written
-to `results.json`, so the text, the figures and chapter 10's ledger read the same value.
+to `results.json`, so the text, the figures and chapter 12's ledger read the same value.
 """
 
 import json
@@ -65,7 +65,8 @@ class ChapterReport:
     def figure(self, fig: plt.Figure, name: str) -> plt.Figure:
         """Save `fig` as PNG and SVG; returns it so the notebook displays it inline too."""
         for suffix in ("png", "svg"):
-            # SVGs embed a date and random ids unless told otherwise: fixed ones keep reruns identical.
+            # SVGs embed a date and random ids unless told otherwise: fixed ones keep reruns
+            # identical.
             metadata = {"Date": None} if suffix == "svg" else None
             fig.savefig(self.output_dir / "figures" / f"{name}.{suffix}", metadata=metadata)
         self.results["figures"].append(name)

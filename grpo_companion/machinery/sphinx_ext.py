@@ -2,7 +2,8 @@
 
 Under Jupyter Book 1.0.4 the inline scripts of sphinx-thebe and sphinx-togglebutton reach each
 page twice (once with filename None, once with ""), so every page declared `const THEBE_JS_URL`
-twice: a JavaScript error on every page.  Scripts with the same source and attributes are kept once, the first.
+twice: a JavaScript error on every page.  Scripts with the same source and attributes are kept
+once, the first.
 """
 
 

@@ -1,0 +1,172 @@
+"""Chapter 5's figures: token-by-coefficient heatmaps, estimator errors, credit by token class.
+
+Each function takes the chapter's computed data (from `credit` and `credit_exact`) and returns
+a matplotlib Figure; nothing here computes a number that the chapter records.
+"""
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+import torch
+from torch import Tensor
+
+from grpo_companion.chapters.credit import SHARE_COLUMNS
+from grpo_companion.chapters.credit_exact import position_roles
+
+
+def plot_toy_token_advantages(
+    coefficients: dict[str, Tensor],
+    sequences: Tensor,
+    rewards: Tensor,
+    shown: Tensor,
+    result_positions: list[int],
+) -> plt.Figure:
+    """Side by side, the coefficient of each token's score for the `shown` sequences.
+
+    coefficients: "outcome" (r - J on every token) and "token" (delta_t), each (n, length);
+    sequences: (n, length) token ids, written in the cells; rewards: (n,); shown: (k,) sequence
+    numbers. One colour scale for both panels, so that their magnitudes compare.
+    """
+    outcome_coefficients, token_coefficients = coefficients["outcome"], coefficients["token"]
+    roles = position_roles(sequences.shape[1], result_positions)
+    limit = max(
+        outcome_coefficients[shown].abs().max(), token_coefficients[shown].abs().max()
+    ).item()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(shown) + 1.6), sharey=True)
+    panels = (
+        (outcome_coefficients, "outcome: $r - J$ on every token"),
+        (token_coefficients, r"token level: exact $\delta_t = V(s_{t+1}) - V(s_t)$"),
+    )
+    for ax, (matrix, title) in zip(axes, panels):
+        sns.heatmap(
+            matrix[shown].numpy(),
+            ax=ax,
+            cmap="RdBu_r",
+            vmin=-limit,
+            vmax=limit,
+            center=0,
+            annot=sequences[shown].numpy(),
+            fmt="d",
+            cbar=ax is axes[1],
+            linewidths=0.5,
+        )
+        ax.set(title=title, xlabel="position t")
+        ax.set_xticklabels([f"{t}\n{name}" for t, name in enumerate(roles)])
+    axes[0].set_ylabel("sampled sequence (reward)")
+    axes[0].set_yticklabels([f"{int(r)}" for r in rewards[shown]], rotation=0)
+    fig.suptitle("Coefficient of each token's score; the number in a cell is the token")
+    fig.tight_layout()
+    return fig
+
+
+ESTIMATOR_LABELS = {"outcome": "outcome ($r - J$)", "token": r"token level ($\delta_t$)"}
+
+
+def plot_estimator_errors(
+    sample_sizes: list[int],
+    errors: dict[str, Tensor],
+    moments: dict[str, tuple[Tensor, Tensor]],
+    num_repeats: int,
+) -> plt.Figure:
+    """Mean squared error of the n-sample mean, sampled (dots) against exact variance / n (line).
+
+    errors[name]: (len(sample_sizes), num_repeats) from `credit.sampled_errors`; moments[name]:
+    (mean, single-sample variance) from `credit.exact_moments`; names "outcome" and "token".
+    """
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, table in errors.items():
+        label = ESTIMATOR_LABELS.get(name, name)
+        (line,) = ax.plot(sample_sizes, table.mean(dim=1).numpy(), "o", label=f"{label}: sampled")
+        exact = (moments[name][1] / torch.tensor(sample_sizes)).numpy()
+        ax.plot(
+            sample_sizes, exact, "-", color=line.get_color(), label=f"{label}: exact variance / n"
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="rollouts n",
+        ylabel=r"mean $\|\hat g_n - \nabla J\|^2$",
+        title=f"Same expectation, different variance ({num_repeats} repeats)",
+    )
+    ax.legend(fontsize="small")
+    return fig
+
+
+def token_labels(tokenizer, completion_ids: Tensor, completion_mask: Tensor) -> np.ndarray:
+    """Printable text of each completion token, (N, T) strings: "⏎" for a newline, "E" for the end
+    of text, "␣" for a blank token, "" on padding."""
+    text = {tokenizer.eos_token_id: "E", tokenizer.pad_token_id: ""}
+
+    def label(token: int) -> str:
+        return text.get(token, tokenizer.decode([token])).replace("\n", "⏎").strip() or "␣"
+
+    return np.array(
+        [
+            [label(token) if keep else "" for token, keep in zip(row, keeps)]
+            for row, keeps in zip(completion_ids.tolist(), completion_mask.tolist())
+        ]
+    )
+
+
+def plot_rollout_credit(
+    tokenizer, rollouts, outcome_matrix: Tensor, credit: Tensor, num_resamples: int
+) -> plt.Figure:
+    """The outcome advantages (top) and the resampled credit (bottom) of each token of each rollout.
+
+    rollouts: `rollouts.Rollouts` of N completions of width T, in groups of G (separated by black
+    lines); outcome_matrix, credit: (N, T), e.g. `credit.token_advantages` and
+    `credit.PrefixValues.credit`. Each cell shows its token (`token_labels`).
+    """
+    labels = token_labels(tokenizer, rollouts.completion_ids, rollouts.completion_mask)
+    num_rollouts, width = labels.shape
+    group_size = rollouts.rewards.shape[1]
+    padding = ~rollouts.completion_mask.bool().numpy()
+    row_names = [f"r={int(r)}" for r in rollouts.rewards.reshape(-1)]
+    height = 2 * (0.32 * num_rollouts + 1.2)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.34 * width + 2), height))
+    panels = (
+        (outcome_matrix, r"outcome: $r_i - \bar r$ on every token"),
+        (
+            credit,
+            r"token level: $\hat\delta_t = \hat V(s_{t+1}) - \hat V(s_t)$, " f"K = {num_resamples}",
+        ),
+    )
+    for ax, (matrix, title) in zip(axes, panels):
+        sns.heatmap(
+            matrix.numpy(),
+            ax=ax,
+            mask=padding,
+            cmap="RdBu_r",
+            vmin=-1,
+            vmax=1,
+            center=0,
+            annot=labels,
+            fmt="",
+            annot_kws={"fontsize": 7},
+            linewidths=0.3,
+            cbar_kws={"shrink": 0.8},
+        )
+        ax.set(title=title, xlabel="completion token t", ylabel="rollout (reward)")
+        ax.set_yticklabels(row_names, rotation=0, fontsize=8)
+        for boundary in range(group_size, num_rollouts, group_size):
+            ax.axhline(boundary, color="black", linewidth=1.5)
+    fig.tight_layout()
+    return fig
+
+
+def plot_class_shares(shares: pd.DataFrame) -> plt.Figure:
+    """Bars of `credit.class_share_table`: per token class, its share of each column."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    columns = {
+        SHARE_COLUMNS["outcome"]: r"outcome $A_i^2$",
+        SHARE_COLUMNS["credit"]: r"credit $\delta_t^2$ (noise-corrected)",
+    }
+    shares.rename(columns=columns).plot.bar(ax=ax, rot=0)
+    ax.set(
+        ylabel="share",
+        title="Share of tokens and of squared coefficients, by token class",
+        xlabel="token class",
+    )
+    ax.legend(title=None)
+    return fig

@@ -1,0 +1,272 @@
+"""Chapter 6, sections 2-5: gradient sparsity measured on language models.
+
+Section 2 splits one batch's policy gradient into its groups (`per_group_gradients`,
+`gradient_split`); sections 3-4 aggregate GRPO runs over seeds: `histories` is a dict
+(method, seed) -> `trainer.train` history, every method run on the same seeds, so differences
+between methods are paired, and the runs, not the steps, are the independent units (every
+interval is a Student-t interval over seeds, `core.stats`); section 5 summarises a pretrained
+model's samples (`sample_sparsity`).
+"""
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from grpo_companion.chapters.sparsity import (
+    gradient_share,
+    iid_degenerate_rate,
+    zero_advantage_fractions,
+)
+from grpo_companion.core.advantages import degenerate_fractions, group_advantages, zero_std_groups
+from grpo_companion.core.losses import grpo_loss
+from grpo_companion.core.stats import fitted_trend, metric_by_step, seed_band
+from grpo_companion.lm.rollouts import Rollouts, sequence_log_probs
+
+
+def per_group_gradients(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Each group's share of the on-policy policy gradient of a batch, (num_prompts, P).
+
+    Row b is -grad of group b's terms of the loss_type "grpo" loss with beta = 0 on the
+    whole batch, (1 / (B G)) sum_{i in b} A_i (1/|o_i|) sum_t log pi(o_it): the rows sum to
+    the batch's ascent direction, and a group of zero advantages has a zero row exactly.
+    P counts the parameters that require grad, flattened in `model.parameters()` order.
+
+    Args: input_ids, attention_mask (B * G, P + T) and completion_mask (B * G, T) as in
+    `rollouts.Rollouts`, prompt-major; advantages (B, G).
+    """
+    num_prompts, group_size = advantages.shape
+    num_rollouts = advantages.numel()
+    if input_ids.shape[0] != num_rollouts or completion_mask.shape[0] != num_rollouts:
+        raise ValueError(
+            f"need B * G = {num_rollouts} rows of input_ids and completion_mask, "
+            f"got {input_ids.shape[0]} and {completion_mask.shape[0]}"
+        )
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    rows = []
+    for group in range(num_prompts):
+        members = slice(group * group_size, (group + 1) * group_size)
+        log_probs = sequence_log_probs(
+            model,
+            input_ids[members],
+            attention_mask[members],
+            completion_mask[members],
+            temperature,
+        )
+        # On-policy (old = current) the clipped surrogate's gradient is the policy gradient.
+        loss, _ = grpo_loss(
+            log_probs, log_probs.detach(), None, advantages[group], completion_mask[members]
+        )
+        gradients = torch.autograd.grad(-loss / num_prompts, parameters, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    torch.zeros(parameter.numel(), dtype=parameter.dtype)
+                    if gradient is None
+                    else gradient.flatten()
+                    for parameter, gradient in zip(parameters, gradients)
+                ]
+            )
+        )
+    return torch.stack(rows)
+
+
+# --- section 2: one batch of rollouts ----------------------------------------------------------
+
+
+def batch_sparsity(rewards: Tensor, completion_mask: Tensor) -> dict:
+    """How sparse one batch is: "batch_all_correct", "batch_all_wrong" and "batch_degenerate"
+    (fractions of groups), "batch_zero_advantage_rollouts" and "batch_zero_advantage_tokens"
+    (fractions with GRPO advantage 0). rewards (B, G); completion_mask (B * G, T)."""
+    groups = degenerate_fractions(rewards)
+    zero = zero_advantage_fractions(group_advantages(rewards), completion_mask)
+    return {
+        "batch_all_correct": groups["all_correct"],
+        "batch_all_wrong": groups["all_wrong"],
+        "batch_degenerate": groups["degenerate"],
+        "batch_zero_advantage_rollouts": zero["rollouts"],
+        "batch_zero_advantage_tokens": zero["tokens"],
+    }
+
+
+METHOD_NAMES = {"grpo": "GRPO", "sign": "Sign"}
+
+
+def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[dict, pd.DataFrame]:
+    """Where each method's policy gradient on `batch` lives: its degenerate groups or the rest.
+
+    Returns records "<method>_gradient_norm" (the whole batch), "<method>_degenerate_gradient_norm"
+    (the degenerate groups' part), "sign_mixed_share" (the mixed groups' `gradient_share` under
+    Sign; GRPO's is 1 whenever a group is mixed, and undefined when none is), and a table of each
+    group: its number of correct completions, kind, and each method's gradient norm.
+    """
+    degenerate = zero_std_groups(batch.rewards)
+    records, norms = {}, {}
+    for method in methods:
+        gradients = per_group_gradients(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.completion_mask,
+            group_advantages(batch.rewards, method),
+            batch.temperature,
+        )
+        norms[method] = gradients.norm(dim=1).numpy()
+        records[f"{method}_gradient_norm"] = gradients.sum(dim=0).norm().item()
+        records[f"{method}_degenerate_gradient_norm"] = (
+            gradients[degenerate].sum(dim=0).norm().item()
+        )
+        if method == "sign":
+            records["sign_mixed_share"] = gradient_share(gradients, ~degenerate)
+    rewards = batch.rewards
+    kind = np.where(
+        (rewards == 1).all(1), "all correct", np.where((rewards == 0).all(1), "all wrong", "mixed")
+    )
+    table = pd.DataFrame({"correct of G": rewards.sum(1).int().numpy(), "group": kind})
+    for method in methods:
+        table[f"{METHOD_NAMES.get(method, method)} gradient norm"] = norms[method]
+    return records, table
+
+
+# --- sections 3 and 4: training runs over seeds ------------------------------------------------
+
+
+def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values (num_seeds, num_steps)) of `metric` over the runs of `method`.
+
+    histories: (method, seed) -> `trainer.train` history, seeds in the order the runs were made.
+    """
+    return metric_by_step([h for (name, _), h in histories.items() if name == method], metric)
+
+
+def side_of_zero(interval: dict, above: str, below: str, neither: str) -> str:
+    """The words for where a 95% interval lies: wholly above zero, wholly below, or across it."""
+    return above if interval["low"] > 0 else below if interval["high"] < 0 else neither
+
+
+def smoothed(values, window: int) -> np.ndarray:
+    """Each run's moving average over `window` steps, (num_runs, num_steps): one step has only
+    `per_step_prompts` groups, so its fractions move in large jumps."""
+    return pd.DataFrame(np.asarray(values).T).rolling(window, min_periods=1).mean().to_numpy().T
+
+
+def degenerate_trend(steps, all_correct, all_wrong, window: int) -> dict:
+    """Does sparsity intensify? The fractions of all-correct and all-wrong groups over training.
+
+    all_correct, all_wrong: (num_runs, num_steps) at `steps`. Returns, for each of the two,
+    "<kind>_slope_{mean,low,high}" (`fitted_trend`) and "<kind>_first", "<kind>_last" (means
+    over the first and last `window` steps); then "all_correct_trend_verdict" (the words for
+    where the slope's interval lies), "degenerate_regime" (which end of f the runs sit at),
+    "all_correct_slope_over_run" and "trend_window".
+    """
+    records = {}
+    for kind, values in (("all_correct", all_correct), ("all_wrong", all_wrong)):
+        trend = fitted_trend(steps, values)
+        for key in ("mean", "low", "high"):
+            records[f"{kind}_slope_{key}"] = trend[key]
+        records[f"{kind}_first"] = values[:, :window].mean()
+        records[f"{kind}_last"] = values[:, -window:].mean()
+    trend = fitted_trend(steps, all_correct)
+    records["all_correct_trend_verdict"] = side_of_zero(
+        trend, "rises", "falls", "shows no trend distinguishable from zero"
+    )
+    records["degenerate_regime"] = (
+        "all wrong more often than all correct: these runs sit at the low end of f, the "
+        "other end from the one the paper describes"
+        if all_wrong.mean() > all_correct.mean()
+        else "all correct at least as often as all wrong: these runs sit at the end of f that the "
+        "paper describes"
+    )
+    records["all_correct_slope_over_run"] = trend["mean"] * (steps[-1] - steps[0])
+    records["trend_window"] = window
+    return records
+
+
+def remedy_summary(histories: dict, methods) -> tuple[dict, pd.DataFrame]:
+    """Final held-out accuracy of each method over seeds, and its difference from GRPO's.
+
+    histories: (method, seed) -> `trainer.train` history; every method run on the same seeds, so
+    the differences are paired. Returns records "initial_accuracy" (mean over all runs of the
+    first evaluation); per method "<m>_final_accuracy{,_low,_high}" (mean and 95% interval over
+    seeds), "<m>_accuracy_gain" and "<m>_degenerate_rate" (over all steps); per method other than
+    "grpo", "<m>_minus_grpo{,_low,_high}" and "<m>_versus_grpo" (words); and a table by method.
+    """
+    records = {"initial_accuracy": np.mean([h[0]["eval_accuracy"] for h in histories.values()])}
+    rows = []
+    for name in methods:
+        _, accuracy = runs_of(histories, name, "eval_accuracy")
+        _, zero_std = runs_of(histories, name, "frac_reward_zero_std")
+        final = seed_band(accuracy[:, -1:])
+        gain = seed_band(accuracy[:, -1:] - accuracy[:, :1])
+        records[f"{name}_final_accuracy"] = final["mean"][0]
+        records[f"{name}_final_accuracy_low"] = final["low"][0]
+        records[f"{name}_final_accuracy_high"] = final["high"][0]
+        records[f"{name}_accuracy_gain"] = gain["mean"][0]
+        records[f"{name}_degenerate_rate"] = zero_std.mean()
+        rows.append(
+            {
+                "method": name,
+                "final accuracy": final["mean"][0],
+                "95% low": final["low"][0],
+                "95% high": final["high"][0],
+                "gain over the warm start": gain["mean"][0],
+                "degenerate rate (all steps)": zero_std.mean(),
+            }
+        )
+    _, grpo_accuracy = runs_of(histories, "grpo", "eval_accuracy")
+    for name in [name for name in methods if name != "grpo"]:
+        _, accuracy = runs_of(histories, name, "eval_accuracy")
+        difference = seed_band(accuracy[:, -1:] - grpo_accuracy[:, -1:])
+        records[f"{name}_minus_grpo"] = difference["mean"][0]
+        records[f"{name}_minus_grpo_low"] = difference["low"][0]
+        records[f"{name}_minus_grpo_high"] = difference["high"][0]
+        records[f"{name}_versus_grpo"] = side_of_zero(
+            {key: values[0] for key, values in difference.items()},
+            "above GRPO's",
+            "below GRPO's",
+            "indistinguishable from GRPO's",
+        )
+    return records, pd.DataFrame(rows).set_index("method")
+
+
+# --- section 5: a pretrained model's samples --------------------------------------------------
+
+
+def sample_sparsity(samples: Rollouts) -> dict:
+    """How degenerate a sampled batch is, and how much of that is truncation.
+
+    Returns "small_num_prompts", "small_group_size", "small_degenerate", "small_all_correct",
+    "small_all_wrong", "small_pass_rate", "small_iid_prediction" (f at that mean pass rate),
+    "small_truncated_fraction" (of completions), "small_groups_all_truncated" (fraction of
+    groups), "small_num_finished", "small_num_completions" and "small_pass_rate_finished" (0
+    when no completion finished: 0 correct of 0 is shown as 0).
+    """
+    groups = degenerate_fractions(samples.rewards)
+    truncated = samples.truncated.view(samples.num_prompts, samples.num_generations)
+    pass_rate = samples.rewards.mean().item()
+    finished = ~samples.truncated
+    return {
+        "small_num_prompts": samples.num_prompts,
+        "small_group_size": samples.num_generations,
+        "small_degenerate": groups["degenerate"],
+        "small_all_correct": groups["all_correct"],
+        "small_all_wrong": groups["all_wrong"],
+        "small_pass_rate": pass_rate,
+        "small_iid_prediction": iid_degenerate_rate(pass_rate, samples.num_generations)[
+            "degenerate"
+        ][0],
+        "small_truncated_fraction": truncated.double().mean().item(),
+        "small_groups_all_truncated": truncated.all(dim=1).double().mean().item(),
+        "small_num_finished": int(finished.sum()),
+        "small_num_completions": finished.numel(),
+        "small_pass_rate_finished": (
+            samples.rewards.flatten()[finished].mean().item() if finished.any() else 0.0
+        ),
+    }

@@ -1,0 +1,154 @@
+"""Chapter 6's figures: the degenerate rate in theory, over training, and under the remedies.
+
+Each function takes the chapter's computed data (from `sparsity` and `sparsity_lm`) and
+returns a matplotlib Figure; nothing here computes a number that the chapter records.
+"""
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from grpo_companion.chapters.sparsity import iid_degenerate_rate
+from grpo_companion.chapters.sparsity_lm import runs_of, smoothed
+from grpo_companion.core.stats import fitted_trend, seed_band
+
+REMEDY_LABELS = {
+    "grpo": "GRPO",
+    "sign": "Sign (A = 2r - 1)",
+    "filter": "GRPO, degenerate groups filtered",
+}
+
+
+def plot_degenerate_rate_theory(
+    group_sizes, iid: np.ndarray, beta_rates: dict, simulated: dict, pass_rate_mean: float
+) -> plt.Figure:
+    """Left: f(p) = p^4 + (1-p)^4 is convex, so a chord (two prompts) lies above the curve.
+    Right: the degenerate rate against G, i.i.d. at the mean pass rate and for Beta prompts.
+
+    iid: (len(group_sizes),) from `sparsity.iid_rate_curve`; beta_rates, simulated: kappa ->
+    (len(group_sizes),) from `sparsity.beta_rate_curves` and `sparsity.simulated_beta_rates`
+    (every third G from G = 2 drawn as a dot).
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    grid = np.linspace(0, 1, 201)
+    two_point = np.array([0.1, 0.7])  # an example: half the prompts at each pass rate
+    chord = iid_degenerate_rate(two_point, 4)["degenerate"]
+    ax.plot(
+        grid, iid_degenerate_rate(grid, 4)["degenerate"], color="C0", label="$f(p) = p^4 + (1-p)^4$"
+    )
+    ax.plot(two_point, chord, "o--", color="C3", label="chord between two prompts")
+    mean_point = two_point.mean()
+    ax.plot(
+        [mean_point],
+        [chord.mean()],
+        "s",
+        color="C3",
+        label=r"$\mathbb{E}[f(p)]$ (the batch's rate)",
+    )
+    ax.plot(
+        [mean_point],
+        iid_degenerate_rate(mean_point, 4)["degenerate"],
+        "D",
+        color="C0",
+        label=r"$f(\mathbb{E}[p])$ (i.i.d. prediction)",
+    )
+    ax.set(
+        title="convexity: the chord lies above the curve (G = 4)",
+        xlabel="pass rate $p$",
+        ylabel="P(group degenerate)",
+        ylim=(0, 1.02),
+    )
+    ax.legend(fontsize="small")
+    ax = axes[1]
+    group_sizes = np.asarray(group_sizes)
+    ax.plot(
+        group_sizes, iid, color="black", lw=2, label=f"i.i.d. prediction $f({pass_rate_mean:g})$"
+    )
+    for i, kappa in enumerate(beta_rates):
+        label = rf"Beta prompts, $\kappa$ = {kappa:g}"
+        ax.plot(group_sizes, beta_rates[kappa], color=f"C{i}", label=label)
+        ax.plot(group_sizes[1::3], simulated[kappa][1::3], "o", color=f"C{i}", ms=4)
+    ax.set(
+        title=f"degenerate rate against G (mean pass rate {pass_rate_mean:g}; dots: simulated)",
+        xlabel="group size G",
+        ylabel="fraction of degenerate groups",
+        ylim=(0, 1.02),
+    )
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sparsity_over_training(
+    steps: np.ndarray, all_correct: np.ndarray, all_wrong: np.ndarray, window: int
+) -> plt.Figure:
+    """The fractions of all-correct and all-wrong groups of GRPO's steps: per-step mean of the
+    seeds (thin), `window`-step moving average with its 95% band over seeds, and fitted trend.
+
+    all_correct, all_wrong: (num_seeds, num_steps) at `steps` (`sparsity_lm.runs_of`).
+    """
+    num_seeds = all_correct.shape[0]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    for label, values, color in [
+        ("all correct", all_correct, "C2"),
+        ("all wrong", all_wrong, "C3"),
+    ]:
+        band = seed_band(smoothed(values, window))
+        ax.plot(steps, values.mean(axis=0), color=color, alpha=0.35, lw=1)
+        average = f"{label}: {window}-step moving average, {num_seeds} seeds"
+        ax.plot(steps, band["mean"], color=color, label=average)
+        ax.fill_between(steps, band["low"], band["high"], color=color, alpha=0.2)
+        fit = fitted_trend(steps, values)
+        intercept = values.mean() - fit["mean"] * steps.mean()
+        trend = f"fitted trend, {fit['mean']:+.4f} per step [{fit['low']:+.4f}, {fit['high']:+.4f}]"
+        ax.plot(steps, intercept + fit["mean"] * steps, "--", color=color, label=trend)
+    ax.set(
+        title="paper: sparsity intensifies as prompts become all-correct\nmeasured here: GRPO on "
+        "the tiny Llama (thin: per-step mean of the seeds; band: 95% over seeds)",
+        xlabel="step",
+        ylabel="fraction of the step's groups",
+        ylim=(-0.02, 1.02),
+    )
+    ax.legend(fontsize="small", loc="upper right")
+    return fig
+
+
+def plot_remedies(histories: dict, methods, window: int, num_eval_prompts: int) -> plt.Figure:
+    """Held-out accuracy (left) and the degenerate rate (right, `window`-step moving average) of
+    each method over training: mean and 95% t-band over its seeds.
+
+    histories: (method, seed) -> `trainer.train` history, as `sparsity_lm.runs_of` reads it.
+    """
+    num_seeds = len([key for key in histories if key[0] == next(iter(methods))])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, name in enumerate(methods):
+        for ax, metric in zip(axes, ("eval_accuracy", "frac_reward_zero_std")):
+            metric_steps, values = runs_of(histories, name, metric)
+            accuracy = metric == "eval_accuracy"
+            band = seed_band(values if accuracy else smoothed(values, window))
+            ax.plot(
+                metric_steps,
+                band["mean"],
+                "o-" if accuracy else "-",
+                color=f"C{i}",
+                label=REMEDY_LABELS.get(name, name),
+                ms=4,
+            )
+            ax.fill_between(metric_steps, band["low"], band["high"], color=f"C{i}", alpha=0.15)
+    axes[0].set(
+        title=f"held-out greedy accuracy ({num_eval_prompts} problems)",
+        xlabel="step",
+        ylabel="accuracy",
+    )
+    axes[1].set(
+        title=f"degenerate groups, {window}-step moving average",
+        xlabel="step",
+        ylabel="fraction of groups",
+        ylim=(-0.02, 1.02),
+    )
+    axes[0].legend(fontsize="small")
+    fig.suptitle(
+        f"mean and 95% t-band over {num_seeds} seeds, same prompts and budget for every method"
+    )
+    fig.tight_layout()
+    return fig

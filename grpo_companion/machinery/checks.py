@@ -1,0 +1,94 @@
+"""The checks of the claims ledger: `low <= expression <= high`, the expression over one chapter's
+recorded values, parsed and never `eval`ed: numbers, result keys, subscripts
+(`ranks["tiny-llama"]["8"]`), + - * / **, and the functions of `FUNCTIONS`."""
+
+import ast
+import math
+import operator
+from dataclasses import dataclass
+
+FUNCTIONS = {"abs": abs, "min": min, "max": max, "len": len, "sum": sum}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: lambda a, b: a / b if b else math.nan,  # undefined: passes no check
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def expression_keys(expression: str) -> list[str]:
+    """The result keys `expression` reads, in order of first use."""
+    tree = ast.parse(expression, mode="eval")
+    functions = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    names = sorted(
+        (node.col_offset, node.id)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and id(node) not in functions
+    )
+    return list(dict.fromkeys(name for _, name in names))
+
+
+def evaluate_expression(expression: str, values: dict):
+    """`expression` with each key replaced by `values[key]`; only the grammar above."""
+
+    def walk(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float | str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return values[node.id]
+        if isinstance(node, ast.BinOp | ast.UnaryOp) and type(node.op) in OPERATORS:
+            operands = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.operand,)
+            return OPERATORS[type(node.op)](*map(walk, operands))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in FUNCTIONS
+            and not node.keywords
+        ):
+            return FUNCTIONS[node.func.id](*map(walk, node.args))
+        if isinstance(node, ast.Subscript):
+            return walk(node.value)[walk(node.slice)]
+        raise ValueError(f"unsupported in a check: {ast.unparse(node)!r} in {expression!r}")
+
+    return walk(ast.parse(expression, mode="eval").body)
+
+
+def finite(value: float) -> float | None:
+    """None for NaN (a ratio of zeros) and infinity (no bound), which JSON lacks."""
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class Check:
+    """`low <= expression <= high`, the expression over one chapter's recorded values."""
+
+    expression: str
+    low: float = -math.inf
+    high: float = math.inf
+
+    def __str__(self) -> str:
+        if self.low == -math.inf:
+            return f"{self.expression} ≤ {self.high:g}"
+        if self.high == math.inf:
+            return f"{self.expression} ≥ {self.low:g}"
+        return f"{self.low:g} ≤ {self.expression} ≤ {self.high:g}"
+
+    def judge(self, values: dict) -> dict:
+        value = float(evaluate_expression(self.expression, values))
+        return {
+            "expression": self.expression,
+            "rule": str(self),
+            "value": finite(value),
+            "low": finite(self.low),
+            "high": finite(self.high),
+            "passed": self.low <= value <= self.high,
+        }
+
+
+def near(expression: str, target: float, tolerance: float) -> Check:
+    """`expression` within `tolerance` of `target` (a source's number, or a theoretical value)."""
+    sign = "+" if target < 0 else "-"
+    return Check(f"abs({expression} {sign} {abs(target)!r})", high=tolerance)
