@@ -291,10 +291,10 @@ def bibtex_keys(path: Path) -> set[str]:
 
 def test_the_ledger_file_loads_every_claim_well_formed():
     ids = [claim.id for claim in CLAIMS]
-    assert len(ids) == 20 and len(ids) == len(set(ids))
+    assert len(ids) >= 20 and len(ids) == len(set(ids))
     assert all(claim_id.isidentifier() for claim_id in ids)
     cited = bibtex_keys(ROOT / "book" / "references.bib")
-    assert len(cited) == 11 and {"mishra2026foundations", "nie2026starvation"} <= cited
+    assert {"mishra2026foundations", "nie2026starvation"} <= cited
     assert load_tolerances(CLAIMS_FILE) == {"exact": 1e-9}
     for claim in CLAIMS:
         assert claim.sources and set(claim.sources) <= cited, claim.id
