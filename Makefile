@@ -1,10 +1,11 @@
-# The two commands of the README: `make book` and `make test`. Everything else is their set-up.
+# The commands of the README: `make book`, `make test` and `make pdf`. Everything else is their
+# set-up.
 PROFILE ?= cpu
 VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
 SYSTEM_PYTHON ?= python3
 
-.PHONY: book test setup browser html clean
+.PHONY: book test pdf setup browser html clean
 
 book: setup
 	$(PYTHON) -m grpo_companion book --profile $(PROFILE)
@@ -13,6 +14,12 @@ test: setup browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PYTHON) -m pytest
+
+# One PDF of the built book, _build/pdf/book.pdf, printed page by page by headless Chromium;
+# builds the book first (under PROFILE) when there is no HTML yet.
+pdf: setup browser
+	test -f _build/html/index.html || $(PYTHON) -m grpo_companion book --profile $(PROFILE)
+	$(PYTHON) -m grpo_companion pdf
 
 setup: $(VENV)/.installed node_modules/.installed
 

@@ -62,8 +62,11 @@ from dataclasses import replace
 try:
     import trl
 except ImportError:
-    print("grpo_step_vs_trl: TRL is not installed. It is a benchmark-only dependency:\n"
-          "    pip install -r benchmarks/requirements.txt", file=sys.stderr)
+    print(
+        "grpo_step_vs_trl: TRL is not installed. It is a benchmark-only dependency:\n"
+        "    pip install -r benchmarks/requirements.txt",
+        file=sys.stderr,
+    )
     sys.exit(2)
 import torch
 from datasets import Dataset
@@ -77,7 +80,10 @@ from grpo_companion.lm.trainer import GRPOConfig, grpo_step
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.
 SMOKE_SPEC = {
-    "train_steps": 30, "warmup_steps": 5, "num_train_examples": 500, "num_eval_examples": 8
+    "train_steps": 30,
+    "warmup_steps": 5,
+    "num_train_examples": 500,
+    "num_eval_examples": 8,
 }
 CONFIG = GRPOConfig(
     num_generations=8,
@@ -166,9 +172,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=7, help="timed steps of each side")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--beta", type=float, default=CONFIG.beta)
-    parser.add_argument("--smoke-model", action="store_true",
-                        help="the smoke profile's tiny Llama (30 warm-start steps) instead of the "
-                             "default one")
+    parser.add_argument(
+        "--smoke-model",
+        action="store_true",
+        help="the smoke profile's tiny Llama (30 warm-start steps) instead of the default one",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -179,21 +187,32 @@ def main():
     config = replace(CONFIG, beta=args.beta)
     spec = TinyLlamaSpec(**(SMOKE_SPEC if args.smoke_model else {}))
     steps = args.repeats + 1  # the first step of each side is a warm-up
-    data = gsm8k.load_gsm8k("train", source="arithmetic",
-                            num_examples=steps * config.per_step_prompts, seed=0)
+    data = gsm8k.load_gsm8k(
+        "train", source="arithmetic", num_examples=steps * config.per_step_prompts, seed=0
+    )
 
     # Ours: its own copy of the policy, reference and optimizer, as `trainer.train` makes them.
     model, tokenizer = load_tiny_llama(spec, progress=False)
     reference = copy.deepcopy(model).requires_grad_(False) if config.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+    )
     prompts, golds = build_prompts(tokenizer, data)
 
     def ours(step: int) -> dict:
         """Our step `step` on the 16 prompts TRL's step `step` answered."""
         rows = slice((step - 1) * config.per_step_prompts, step * config.per_step_prompts)
-        return grpo_step(model, tokenizer, reference, optimizer, prompts[rows], golds[rows],
-                         config, step, gsm8k.reward)
+        return grpo_step(
+            model,
+            tokenizer,
+            reference,
+            optimizer,
+            prompts[rows],
+            golds[rows],
+            config,
+            step,
+            gsm8k.reward,
+        )
 
     trl_model, _ = load_tiny_llama(spec, progress=False)
     interleave = Interleave(ours)
@@ -212,13 +231,17 @@ def main():
         load_after = os.getloadavg()
 
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size} ({parameters / 1e6:.1f}M "
-          f"parameters, at most {spec.train_steps} warm-start steps), "
-          f"{config.per_step_prompts} prompts x "
-          f"G = {config.num_generations}, max_completion_length {config.max_completion_length}, "
-          f"beta {config.beta}, torch threads {args.threads}, TRL {trl.__version__}")
-    print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}; "
-          f"{args.repeats} timed steps per side after one warm-up, interleaved A B A B")
+    print(
+        f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size} ({parameters / 1e6:.1f}M "
+        f"parameters, at most {spec.train_steps} warm-start steps), "
+        f"{config.per_step_prompts} prompts x "
+        f"G = {config.num_generations}, max_completion_length {config.max_completion_length}, "
+        f"beta {config.beta}, torch threads {args.threads}, TRL {trl.__version__}"
+    )
+    print(
+        f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}; "
+        f"{args.repeats} timed steps per side after one warm-up, interleaved A B A B"
+    )
     print(f"{'':6} {'wall s':>8} {'CPU s':>8} {'len mean':>9} {'len max':>8} {'grad_norm':>10}")
     medians = {}
     for side in ("ours", "TRL"):
@@ -226,17 +249,25 @@ def main():
         logs = [interleave.logs[side][step] for step in range(2, steps + 1)]
         medians[side] = [statistics.median(lap[i] for lap in timed) for i in (0, 1)]
         lengths = [_length_stats(side, log) for log in logs]
-        print(f"{side:6} {medians[side][0]:>8.3f} {medians[side][1]:>8.3f} "
-              f"{statistics.mean(m for m, _ in lengths):>9.1f} "
-              f"{statistics.mean(x for _, x in lengths):>8.1f} "
-              f"{statistics.median(log['grad_norm'] for log in logs):>10.3g}")
+        print(
+            f"{side:6} {medians[side][0]:>8.3f} {medians[side][1]:>8.3f} "
+            f"{statistics.mean(m for m, _ in lengths):>9.1f} "
+            f"{statistics.mean(x for _, x in lengths):>8.1f} "
+            f"{statistics.median(log['grad_norm'] for log in logs):>10.3g}"
+        )
     wall, cpu = (medians["ours"][i] / medians["TRL"][i] for i in (0, 1))
     verdict = "PASS" if cpu <= TARGET_RATIO else "FAIL"
-    print(f"ours / TRL: CPU {cpu:.3f}, wall {wall:.3f} (medians; target CPU <= "
-          f"{TARGET_RATIO:g}): {verdict}")
-    print("each step, CPU s (ours, TRL): " + ", ".join(
-        f"({a[1]:.2f}, {b[1]:.2f})"
-        for a, b in zip(interleave.times["ours"][1:], interleave.times["TRL"][1:])))
+    print(
+        f"ours / TRL: CPU {cpu:.3f}, wall {wall:.3f} (medians; target CPU <= "
+        f"{TARGET_RATIO:g}): {verdict}"
+    )
+    print(
+        "each step, CPU s (ours, TRL): "
+        + ", ".join(
+            f"({a[1]:.2f}, {b[1]:.2f})"
+            for a, b in zip(interleave.times["ours"][1:], interleave.times["TRL"][1:])
+        )
+    )
 
 
 def _length_stats(side: str, log: dict) -> tuple[float, float]:

@@ -1,7 +1,13 @@
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from grpo_companion.lm.models import TinyLlamaSpec, warm_start
+from grpo_companion.machinery.pipeline import Project, build_html, execute_chapter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A random-init Llama built through models.py (tokenizer, config, seeding) without training:
 # a forward pass costs milliseconds, and its completions are random tokens, so a reward on their
@@ -34,3 +40,24 @@ def random_tiny(one_thread):
     """(model, tokenizer) of `RANDOM_TINY`; tests that train it must copy it first."""
     model, tokenizer, _ = warm_start(RANDOM_TINY, progress=False)
     return model, tokenizer
+
+
+def _git_status() -> str:
+    return subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """(project, seconds per chapter, git status before) after executing every chapter under
+    the smoke profile and rendering the book: once per session, for tests/test_book.py and
+    tests/test_pdf.py."""
+    status_before = _git_status()
+    project = Project(ROOT, build_dir=tmp_path_factory.mktemp("book") / "_build")
+    timings = {
+        chapter: execute_chapter(project, chapter, "smoke", progress=False)
+        for chapter in project.chapters
+    }
+    build_html(project)
+    return project, timings, status_before

@@ -5,6 +5,7 @@ every page.  Everything is written to a temporary `_build`, never to the reposit
 import functools
 import http.server
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_companion.machinery.pipeline import Project, build_html, execute_chapter
+from grpo_companion.machinery.pipeline import Project, execute_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -26,17 +27,7 @@ def _git_status() -> str:
     ).stdout
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """(project, seconds per chapter, git status before) after executing and rendering the book."""
-    status_before = _git_status()
-    project = Project(ROOT, build_dir=tmp_path_factory.mktemp("book") / "_build")
-    timings = {
-        chapter: execute_chapter(project, chapter, "smoke", progress=False)
-        for chapter in project.chapters
-    }
-    build_html(project)
-    return project, timings, status_before
+# `built`, the smoke build every test here reads, is in conftest.py: tests/test_pdf.py prints it.
 
 
 def test_every_chapter_writes_results_and_figures(built):
@@ -81,10 +72,62 @@ def test_chapter_1_is_deterministic(built, tmp_path):
     again = Project(ROOT, build_dir=tmp_path / "_build")
     execute_chapter(again, "01_policy_gradient", "smoke", progress=False)
     first, second = (
-        project.results_path("01_policy_gradient"),
-        again.results_path("01_policy_gradient"),
+        json.loads(build.results_path("01_policy_gradient").read_text())
+        for build in (project, again)
     )
-    assert first.read_bytes() == second.read_bytes()
+    # same commit, profile and seed: the same values and figures; only the provenance's
+    # times differ
+    assert {**first, "provenance": None} == {**second, "provenance": None}
+    same = ("commit", "dirty", "profile", "parameters", "seed", "versions", "command")
+    assert {key: first["provenance"][key] for key in same} == {
+        key: second["provenance"][key] for key in same
+    }
+
+
+def test_no_page_shows_a_path_of_the_machine_that_built_it(built):
+    project, _, _ = built
+    pages = [
+        path
+        for path in (project.build_dir / "html").rglob("*")
+        if path.suffix in (".html", ".ipynb", ".txt") or path.name == "searchindex.js"
+    ]
+    assert pages
+    # an absolute path into /tmp, not a relative one such as the pipeline's `_build/tmp/`
+    markers = [re.escape(str(ROOT)), re.escape(str(project.build_dir)), r"(?<![\w./-])/tmp/"]
+    leaks = {
+        str(path.relative_to(project.build_dir)): marker
+        for path in pages
+        for marker in markers
+        if re.search(marker, path.read_text(errors="replace"))
+    }
+    assert not leaks
+
+
+# (function, the layer's API page, the chapter that derives it): the chapter's equation links
+# the function's entry, and the entry links back to the chapter.
+LINKED = [
+    ("core.advantages.group_advantages", "api_core", "02_group_baseline"),
+    ("core.group_estimators.group_gradient", "api_core", "02_group_baseline"),
+    ("core.losses.clipped_surrogate", "api_core", "03_grpo_loss"),
+    ("core.losses.kl_penalty", "api_core", "03_grpo_loss"),
+    ("core.losses.aggregate", "api_core", "03_grpo_loss"),
+    ("core.spectra.effective_rank", "api_core", "07_rank"),
+    ("chapters.sparsity.iid_degenerate_rate", "api_chapters", "06_sparsity"),
+]
+
+
+@pytest.mark.parametrize(("function", "api_page", "chapter"), LINKED)
+def test_the_api_reference_and_the_chapters_link_each_other(built, function, api_page, chapter):
+    project, _, _ = built
+    html = project.build_dir / "html" / "book"
+    target = f"grpo_companion.{function}"
+    api = (html / f"{api_page}.html").read_text()
+    # autodoc documented it from its docstring ...
+    entry = api.split(f'id="{target}"')[1].split('<dl class="py')[0]
+    assert "sig-name descname" in entry and 'class="viewcode-link"' in entry
+    # ... with its "Chapter:" line resolved to a link, and the chapter links the entry
+    assert f'href="{chapter}.html"' in entry
+    assert f'href="{api_page}.html#{target}"' in (html / f"{chapter}.html").read_text()
 
 
 @pytest.fixture(scope="module")

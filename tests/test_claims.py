@@ -1,9 +1,11 @@
-"""The claims ledger: the engine on hand-built results (each of the four verdicts reachable, a
+"""The claims ledger: the engine on hand-built results (each of the five verdicts reachable, a
 clear one-line error for a missing chapter, failed chapter, key or figure, the schema of
 claims.json), and the data, without running a chapter: every claim of `book/claims.toml` cites
 works of `book/references.bib` and reads only keys and figures its chapter declares in
-`book/results.toml`, every declared chapter exists, and a renamed key fails in seconds. Also the
-exercises every chapter must end with."""
+`book/results.toml`, every declared chapter exists, a renamed key fails in seconds, and every
+rule can fail for the right reason: each claim's example values that support it, contradict it
+and cannot decide it get three different verdicts. Also the exercises every chapter must end
+with."""
 
 import json
 import re
@@ -15,6 +17,8 @@ import pytest
 
 from grpo_companion.machinery.checks import evaluate_expression, expression_keys
 from grpo_companion.machinery.claims import (
+    EXAMPLES,
+    INCONCLUSIVE,
     NEEDS_SETUP,
     NOT_REPRODUCED,
     QUALITATIVE,
@@ -221,7 +225,13 @@ def test_claims_json_schema(tmp_path):
     stored = json.loads(path.read_text(), parse_constant=no_infinity)
     assert stored == json.loads(json.dumps(table))
     assert stored["verdicts"] == list(VERDICTS)
-    assert stored["summary"] == {REPRODUCED: 0, QUALITATIVE: 0, NOT_REPRODUCED: 1, NEEDS_SETUP: 1}
+    assert stored["summary"] == {
+        REPRODUCED: 0,
+        QUALITATIVE: 0,
+        INCONCLUSIVE: 0,
+        NOT_REPRODUCED: 1,
+        NEEDS_SETUP: 1,
+    }
     assert stored["profiles"] == ["cpu", "smoke"]
     rank, slope = stored["claims"]
     assert rank["verdict"] == NEEDS_SETUP and rank["setup_mismatch"] == {
@@ -247,6 +257,8 @@ def test_claims_json_schema(tmp_path):
             "seed",
             "model_name",
             "notes",
+            "reason",
+            "rules",
         }
         for check in row["checks"]["reproduced"] + row["checks"]["qualitatively"]:
             assert set(check) == {"expression", "rule", "value", "low", "high", "passed"}
@@ -263,7 +275,8 @@ def test_claims_json_schema(tmp_path):
     stored["claims"][0]["statement"] = "the length |o| of a completion"
     markdown = markdown_table(stored)
     assert markdown.count("\n") == 3  # header, rule, two rows
-    assert [len(re.findall(r"(?<!\\)\|", line)) for line in markdown.splitlines()] == [8] * 4
+    assert [len(re.findall(r"(?<!\\)\|", line)) for line in markdown.splitlines()] == [9] * 4
+    assert "*reproduced if* `abs(error_slope + 0.5) ≤ 0.1`" in markdown
     assert "{doc}`07_rank`, figure [effective_rank](../figures/07_rank/effective_rank.png)" in (
         markdown
     )
@@ -291,7 +304,7 @@ def bibtex_keys(path: Path) -> set[str]:
 
 def test_the_ledger_file_loads_every_claim_well_formed():
     ids = [claim.id for claim in CLAIMS]
-    assert len(ids) >= 20 and len(ids) == len(set(ids))
+    assert len(ids) >= 24 and len(ids) == len(set(ids))
     assert all(claim_id.isidentifier() for claim_id in ids)
     cited = bibtex_keys(ROOT / "book" / "references.bib")
     assert {"mishra2026foundations", "nie2026starvation"} <= cited
@@ -300,6 +313,9 @@ def test_the_ledger_file_loads_every_claim_well_formed():
         assert claim.sources and set(claim.sources) <= cited, claim.id
         assert claim.statement and claim.notes and claim.reproduced
         assert claim.qualitatively != claim.reproduced
+        # each claim says when a run cannot decide it, or why none can, or what would decide it
+        ways = [bool(claim.inconclusive), bool(claim.never_inconclusive), bool(claim.pending)]
+        assert sum(ways) == 1, claim.id
         ones = {key: _One(1.0) for key in claim.keys}
         for check in (*claim.reproduced, *claim.qualitatively):
             assert check.low <= check.high and min(abs(check.low), abs(check.high)) < float("inf")
@@ -317,7 +333,7 @@ def test_the_toml_forms_of_a_check():
     )
     rank = next(claim for claim in CLAIMS if claim.id == "P4_rank_two_small_models")
     assert rank.requires == {"profile": ["cpu", "gpu"]}
-    assert rank.keys == ["effective_rank_weighted", "effective_rank_level_sums"]
+    assert rank.keys == ["effective_rank_change", "effective_rank_weighted"]
 
 
 def test_every_claim_reads_what_its_chapter_declares():
@@ -422,3 +438,75 @@ def test_an_undefined_ratio_passes_no_check_and_is_recorded_as_none():
     judged = judge(claim, results({"spread": 0.0, "noise": 0.0, "effective_ranks": [1.0]}, "cpu"))
     assert judged["verdict"] == NOT_REPRODUCED
     assert judged["measured_value"] is None and judged["checks"]["reproduced"][0]["value"] is None
+
+
+# --- every rule can fail for the right reason ---------------------------------------------------
+
+
+def example_results(claim: Claim, values: dict) -> dict:
+    """A chapter's results holding `values`, in the setup the claim requires (its first one)."""
+    first = {
+        key: wanted[0] if isinstance(wanted, list) else wanted
+        for key, wanted in claim.requires.items()
+    }
+    values = {**{key: value for key, value in first.items() if key != "profile"}, **values}
+    return results(values, first.get("profile", "cpu"), claim.chapter, [claim.figure])
+
+
+def test_every_claim_carries_the_examples_its_kind_needs():
+    for claim in CLAIMS:
+        if claim.pending:
+            wanted = {"underpowered"}
+        elif claim.never_inconclusive:
+            wanted = {"supporting", "contradicting"}
+        else:
+            wanted = set(EXAMPLES)
+        assert set(claim.examples) == wanted, claim.id
+        for name, values in claim.examples.items():
+            missing = [key for key in claim.keys if key not in values and key not in claim.requires]
+            assert missing == [], f"{claim.id}: example {name} lacks {missing}"
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=[claim.id for claim in CLAIMS])
+def test_each_rule_gives_each_example_its_verdict(claim):
+    verdicts = {
+        name: judge(claim, example_results(claim, values))["verdict"]
+        for name, values in claim.examples.items()
+    }
+    if claim.pending:  # no experiment can decide it yet: inconclusive, with the reason
+        assert verdicts == {"underpowered": INCONCLUSIVE}
+        judged = judge(claim, example_results(claim, claim.examples["underpowered"]))
+        assert judged["reason"] == claim.pending
+        return
+    assert verdicts == {name: EXAMPLES[name] for name in claim.examples}
+    # the same rule on three kinds of evidence: a rule that cannot tell them apart is no test
+    assert len(set(verdicts.values())) == len(verdicts) >= 2
+
+
+def test_inconclusive_comes_before_a_vacuous_pass_and_names_its_reason():
+    claim = replace(
+        RANK_CLAIM,
+        requires={},
+        inconclusive=(Check("groups", high=0),),
+        reproduced=(Check("max(effective_ranks)", high=2.5),),
+        qualitatively=(),
+    )
+    empty = judge(claim, results({"effective_ranks": [0.0], "groups": 0}, "cpu"))
+    assert empty["verdict"] == INCONCLUSIVE and empty["reason"] == "groups ≤ 0"
+    measured = judge(claim, results({"effective_ranks": [2.1], "groups": 5}, "cpu"))
+    assert measured["verdict"] == REPRODUCED and measured["reason"] == ""
+    wrong = judge(claim, results({"effective_ranks": [6.0], "groups": 5}, "cpu"))
+    assert wrong["verdict"] == NOT_REPRODUCED
+
+
+def test_known_and_missing_values_in_expressions():
+    values = {"ranks": {"a": {"high": 1.5}}, "none": None}
+    assert evaluate_expression('known(ranks["a"]["high"])', values) == 1.0
+    assert evaluate_expression('known(ranks["b"]["high"])', values) == 0.0
+    assert evaluate_expression("known(none)", values) == 0.0
+    # a missing subscript outside known() is "not measured": the check fails, the value is None
+    judged = Check('ranks["b"]["high"]', high=0.5).judge(values)
+    assert judged["passed"] is False and judged["value"] is None
+    # min and max propagate NaN whatever the order (Python's min(1, nan) is 1)
+    for expression in ("min(1, none)", "min(none, 1)", "max(2, none)"):
+        assert evaluate_expression(expression, values) != evaluate_expression(expression, values)

@@ -268,6 +268,10 @@ def test_prefix_value_summary_hand_built():
     # Spreads along the masked credit: [0.4, 0.1] -> 0.3, [-0.5] -> 0, [0.1, 0.3, 0.4] -> 0.3,
     # [0.8] -> 0.
     assert summary["credit_mean_row_spread"] == pytest.approx(0.15, rel=1e-6)
+    # Noise of standard error sqrt(0.02) on every credit: rows of 2, 1, 3, 1 tokens spread over
+    # (2/sqrt(pi) + 0 + 3/sqrt(pi) + 0) / 4 standard errors on average.
+    noise = (5 / math.sqrt(math.pi)) / 4 * math.sqrt(0.02)
+    assert summary["credit_noise_row_range"] == pytest.approx(noise, rel=1e-6)
     assert torch.allclose(summary["prompt_values"], torch.tensor([0.5, 0.2]))
     assert torch.equal(summary["group_pass_rates"], torch.tensor([0.5, 1.0]))
     expected_gap = 0.8 / math.sqrt(0.2 * 0.8 / 2)

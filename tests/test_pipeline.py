@@ -2,7 +2,8 @@
 shared values, the chapter's table and the overrides (dicts merged key by key); bad input is
 refused before any cell runs; a failing chapter, or one that records other keys or figures than it
 declares, is reported in one line and leaves every published output intact; a Sphinx warning
-fails the HTML build; and the command line explains itself."""
+fails the HTML build; the published notebook shows what the chapter needs and the parameters it
+ran with, and no path of the machine; and the command line explains itself."""
 
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from grpo_companion.machinery.pipeline import (
     parse_value,
     resolve_parameters,
 )
+from grpo_companion.machinery.provenance import field_problems, load_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,13 +248,13 @@ def test_every_command_explains_itself_with_an_example(capsys):
     assert "Execute the GRPO Companion's chapters with papermill" in text
     for name, (summary, _, example) in COMMANDS.items():
         assert f"{name}  " in text and summary in text
-        assert f"python -m grpo_companion {name}" in text or name == "html"
+        assert f"python -m grpo_companion {name}" in text or name in ("html", "pdf")
         with pytest.raises(SystemExit):
             main([name, "--help"])
         command_help = capsys.readouterr().out
         assert command_help.startswith(f"usage: python -m grpo_companion {name}")
         assert f"example:\n  {example}" in command_help
-    assert "--profile PROFILE" in command_help or name == "html"
+    assert "--profile PROFILE" in command_help or name in ("html", "pdf")
 
 
 def test_parse_value_reads_literals_and_falls_back_to_strings():
@@ -300,10 +302,18 @@ def test_failing_chapter_names_its_cell_and_keeps_previous_outputs(book, capsys)
 
 def test_a_sphinx_warning_fails_the_build(tmp_path):
     project = make_book(tmp_path, glue_key="no_such_key")
+    # a page that shows where the book was built is a warning too (sphinx_ext)
+    second = project.root / "book" / "02_second.md"
+    second.write_text(second.read_text() + "\n```{code-cell} ipython3\nprint(output_dir)\n```\n")
     for chapter in project.chapters:
         execute_chapter(project, chapter, "smoke", progress=False)
-    with pytest.raises(PipelineError, match="no_such_key"):
+    with pytest.raises(PipelineError, match="no_such_key") as error:
         build_html(project)
+    assert (
+        f"page book/02_second shows a path of the machine that built it ({project.build_dir})"
+        in str(error.value)
+    )
+    assert "page book/01_first shows" not in str(error.value)
     assert not (project.build_dir / "html").exists()
 
 
@@ -367,3 +377,30 @@ def test_a_chapter_that_declares_build_dir_reads_the_build_and_links_its_figures
     html = build_html(book)
     assert (book.build_dir / "source" / "figures" / "01_first" / "line.png").exists()
     assert len(list((html / "_downloads").rglob("line.png"))) == 1
+
+
+def test_the_published_notebook_shows_what_the_chapter_needs_and_no_path_of_the_machine(book):
+    execute_chapter(book, "01_first", "smoke", {"rate": 0.25}, progress=False)
+    assert not (book.build_dir / "timings").exists()  # a run with overrides is not the profile's
+    execute_chapter(book, "01_first", "smoke", progress=False)
+    assert list(load_timings(book.build_dir)) == ["smoke"]
+    notebook_path = book.build_dir / "source" / "book" / "01_first.ipynb"
+    text = notebook_path.read_text()
+    # papermill's injected cell and its notes of the paths it read and wrote are gone
+    for path in (str(book.root), str(book.build_dir), "/tmp/"):
+        assert path not in text
+    notebook = json.loads(text)
+    assert not [cell for cell in notebook["cells"] if "injected-parameters" in str(cell)]
+    title = "".join(notebook["cells"][0]["source"])
+    assert title.startswith("# First\n\n```{admonition} What this chapter needs")
+    assert "`cpu` not measured yet, `smoke` " in title and " min. Re-run it" in title
+    assert "| `num_samples` | `2` | profile `smoke` |" in title
+    assert "| `rate` | `0.5` | default |" in title
+
+    provenance = json.loads(book.results_path("01_first").read_text())["provenance"]
+    assert field_problems(provenance) == []
+    assert provenance["profile"] == "smoke" and provenance["seed"] == 0
+    assert provenance["parameters"] == {"seed": 0, "num_samples": 2, "rate": 0.5, "fail": False}
+    assert provenance["command"] == "python -m grpo_companion run 01_first --profile smoke"
+    assert provenance["commit"] is None  # the fixture book is no git checkout
+    assert 0 < provenance["wall_seconds"] and 0 < provenance["cpu_seconds"]

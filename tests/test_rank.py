@@ -519,3 +519,28 @@ def test_figures():
     assert [len(ax.lines) for ax in fig.axes] == [1, 1]
     assert list(fig.axes[1].lines[0].get_ydata()) == [1.0, 0.25, 2.5e-4]
     matplotlib.pyplot.close("all")
+
+
+def test_rank_change_records_slope_times_span_with_interval():
+    import numpy as np
+
+    from grpo_companion.chapters.rank_verdict import rank_change_records
+
+    base = {"model": "m", "reward": "binary", "stage": "early", "measure": "entropy", "n": 10}
+    t = 2.2621571627409915  # t quantile 0.975, 9 degrees of freedom
+    rows = [
+        {**base, "candidate": "weighted", "group_size": g, "mean": 1 + 0.5 * g,
+         "low": 1 + 0.5 * g - 0.1 * t, "high": 1 + 0.5 * g + 0.1 * t}
+        for g in (2, 4, 8)
+    ] + [
+        {**base, "candidate": "group gradients", "group_size": g, "mean": 3.0, "n": None,
+         "low": None, "high": None}
+        for g in (2, 4, 8)
+    ] + [{**base, "reward": "uniform", "candidate": "weighted", "group_size": 2, "mean": 9.0}]
+    records = rank_change_records(pd.DataFrame(rows))["effective_rank_change"]["m"]
+    # slope 0.5 per unit of G over a span of 6: a change of 3; each mean has standard error 0.1
+    centred = np.array([2, 4, 8]) - 14 / 3
+    half = 1.959964 * 0.1 * np.sqrt(centred @ centred) / (centred @ centred) * 6
+    assert records["weighted"]["mean"] == pytest.approx(3.0)
+    assert records["weighted"]["high"] - 3.0 == pytest.approx(half, rel=1e-5)
+    assert records["group gradients"] == {"mean": pytest.approx(0.0), "low": None, "high": None}

@@ -102,8 +102,8 @@ class FixedBatch:
         prompt_mask = torch.zeros((len(order), width), dtype=torch.long)
         for row, b in enumerate(order):
             ids = self.prompt_ids[b]
-            prompt_ids[row, width - len(ids):] = torch.tensor(ids)
-            prompt_mask[row, width - len(ids):] = 1
+            prompt_ids[row, width - len(ids) :] = torch.tensor(ids)
+            prompt_mask[row, width - len(ids) :] = 1
         completions = [c for b in order for c in self.completion_ids[b]]
         longest = max(len(c) for c in completions)
         completion_ids = torch.full((len(completions), longest), self.pad_token_id)
@@ -113,11 +113,17 @@ class FixedBatch:
             completion_mask[row, : len(ids)] = 1
         lengths = completion_mask.sum(1)
         return Rollouts(
-            prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
-            completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
-            log_probs=None, lengths=lengths.to(device), truncated=(lengths == MAX_LEN).to(device),
-            texts=[""] * len(completions), rewards=self.rewards[order].to(device),
-            num_generations=G, temperature=1.0,
+            prompt_ids=prompt_ids.to(device),
+            prompt_mask=prompt_mask.to(device),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            log_probs=None,
+            lengths=lengths.to(device),
+            truncated=(lengths == MAX_LEN).to(device),
+            texts=[""] * len(completions),
+            rewards=self.rewards[order].to(device),
+            num_generations=G,
+            temperature=1.0,
         )
 
 
@@ -159,18 +165,22 @@ class Recorder(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         params = self.param_groups[0]["params"]
-        self.grads.append({
-            name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-            for name, p in zip(self.names, params)
-        })
+        self.grads.append(
+            {
+                name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for name, p in zip(self.names, params)
+            }
+        )
         for name, p in zip(self.names, params):
             p.add_(self.perturbation[name])
 
 
 def make_perturbation(model) -> dict:
     generator = torch.Generator().manual_seed(1919)
-    return {name: PERTURBATION * torch.randn(p.shape, generator=generator)
-            for name, p in model.named_parameters()}
+    return {
+        name: PERTURBATION * torch.randn(p.shape, generator=generator)
+        for name, p in model.named_parameters()
+    }
 
 
 # --- running both ---------------------------------------------------------------------------
@@ -240,16 +250,32 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
         return [batch.reward_of(p, c) for p, c in zip(prompts, completion_ids)]
 
     args = TRLConfig(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, report_to=[],
-        disable_tqdm=True, save_strategy="no", logging_steps=1, seed=0,
-        num_generations=G, per_device_train_batch_size=B * G // case.grad_accum,
-        gradient_accumulation_steps=case.grad_accum, num_iterations=case.num_iterations,
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        num_generations=G,
+        per_device_train_batch_size=B * G // case.grad_accum,
+        gradient_accumulation_steps=case.grad_accum,
+        num_iterations=case.num_iterations,
         max_steps=case.steps * case.num_iterations,
-        max_completion_length=case.max_completion_length, temperature=1.0,
-        loss_type=case.loss_type, scale_rewards=case.scale_rewards, beta=case.beta,
-        use_bias_correction_kl=case.bias_correction_kl, epsilon=0.2,
-        max_grad_norm=0.0, gradient_checkpointing=False, shuffle_dataset=False,
-        dataloader_num_workers=0, **dict(case.options),
+        max_completion_length=case.max_completion_length,
+        temperature=1.0,
+        loss_type=case.loss_type,
+        scale_rewards=case.scale_rewards,
+        beta=case.beta,
+        use_bias_correction_kl=case.bias_correction_kl,
+        epsilon=0.2,
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        **dict(case.options),
     )
     # One generation batch of B * G rollouts per optimizer step (issue 19 defect 3): TRL's default.
     assert args.steps_per_generation == args.gradient_accumulation_steps == case.grad_accum
@@ -259,9 +285,13 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
         patch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
         patch.setattr(trl_grpo_module, "shuffle_sequence_dict", lambda generation: generation)
         trainer = RecordingGRPOTrainer(
-            model=model, reward_funcs=fixed_reward, args=args, processing_class=tokenizer,
+            model=model,
+            reward_funcs=fixed_reward,
+            args=args,
+            processing_class=tokenizer,
             train_dataset=datasets.Dataset.from_dict({"prompt": batch.prompts}),
-            rollout_func=rollout_func, optimizers=(optimizer, scheduler),
+            rollout_func=rollout_func,
+            optimizers=(optimizer, scheduler),
         )
         trainer.recorded = []
         trainer.train()
@@ -269,8 +299,10 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
     assert len(optimizer.grads) == num_steps
     assert len(trainer.recorded) == num_steps * case.grad_accum
     first = trainer.recorded[: case.grad_accum]  # the micro-batches of the first step, in order
-    step_losses = [sum(loss.item() for _, loss in trainer.recorded[i: i + case.grad_accum])
-                   for i in range(0, len(trainer.recorded), case.grad_accum)]
+    step_losses = [
+        sum(loss.item() for _, loss in trainer.recorded[i : i + case.grad_accum])
+        for i in range(0, len(trainer.recorded), case.grad_accum)
+    ]
     logged = [log for log in trainer.state.log_history if "grad_norm" in log]
     assert len(logged) == num_steps  # logging_steps=1: one record per optimizer step
     return Result(
@@ -285,11 +317,21 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
 
 def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
     config = our_trainer.GRPOConfig(
-        num_generations=G, per_step_prompts=B, max_completion_length=case.max_completion_length,
-        temperature=1.0, use_bias_correction_kl=case.bias_correction_kl, **dict(case.options),
-        scale_rewards=case.scale_rewards, loss_type=case.loss_type, beta=case.beta, epsilon=0.2,
-        num_iterations=case.num_iterations, micro_batch_size=B * G // case.grad_accum,
-        rollout_batch_size=B * G, max_grad_norm=1e30, max_steps=1,
+        num_generations=G,
+        per_step_prompts=B,
+        max_completion_length=case.max_completion_length,
+        temperature=1.0,
+        use_bias_correction_kl=case.bias_correction_kl,
+        **dict(case.options),
+        scale_rewards=case.scale_rewards,
+        loss_type=case.loss_type,
+        beta=case.beta,
+        epsilon=0.2,
+        num_iterations=case.num_iterations,
+        micro_batch_size=B * G // case.grad_accum,
+        rollout_batch_size=B * G,
+        max_grad_norm=1e30,
+        max_steps=1,
     )
     advantages = group_advantages(batch.rewards, "grpo", scale_rewards=case.scale_rewards).flatten()
 
@@ -308,53 +350,109 @@ def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
     optimizer = Recorder(model, make_perturbation(model))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(our_trainer, "generate_rollouts", fixed_rollouts)
-        patch.setattr(our_trainer, "batch_indices",
-                      lambda step, num_examples, per_step, seed: list(range(per_step)))
-        records = [our_trainer.grpo_step(model, tokenizer, reference, optimizer, batch.prompts,
-                                         [str(b) for b in range(B)], config, step, None)
-                   for step in range(1, case.steps + 1)]
-    return Result(advantages=advantages, loss=sum(r["loss"] for r in records) / case.steps,
-                  grads=optimizer.grads, frac_reward_zero_std=records[0]["frac_reward_zero_std"])
+        patch.setattr(
+            our_trainer,
+            "batch_indices",
+            lambda step, num_examples, per_step, seed: list(range(per_step)),
+        )
+        records = [
+            our_trainer.grpo_step(
+                model,
+                tokenizer,
+                reference,
+                optimizer,
+                batch.prompts,
+                [str(b) for b in range(B)],
+                config,
+                step,
+                None,
+            )
+            for step in range(1, case.steps + 1)
+        ]
+    return Result(
+        advantages=advantages,
+        loss=sum(r["loss"] for r in records) / case.steps,
+        grads=optimizer.grads,
+        frac_reward_zero_std=records[0]["frac_reward_zero_std"],
+    )
 
 
 # --- the cases ------------------------------------------------------------------------------
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")  # the loss types both libraries have
 
-CASES = list(dict.fromkeys([  # (dict.fromkeys drops repeats, keeping the order)
-    # every shared loss_type with every scale_rewards: on-policy, one batch, one micro-batch
-    *[Case(loss_type=t, scale_rewards=s) for t in LOSS_TYPES for s in ("group", "batch", "none")],
-    *[Case(scale_rewards=s) for s in (True, False)],  # TRL's aliases of "group" and "none"
-    # a second iteration on the batch: ratio != 1, some tokens clipped
-    *[Case(loss_type=t, num_iterations=2) for t in LOSS_TYPES],
-    # the KL term, with and without TRL's bias correction, where the policy has left the reference:
-    # a second iteration on the batch, or (on-policy) a second batch after one update
-    *[Case(loss_type=t, beta=0.04, bias_correction_kl=bc, num_iterations=2)
-      for t in LOSS_TYPES for bc in (True, False)],
-    *[Case(beta=0.04, bias_correction_kl=bc, steps=s) for bc in (True, False) for s in (1, 2)],
-    # gradient accumulation: 2 micro-batches of 6 completions (the middle group straddles them)
-    *[Case(loss_type=t, grad_accum=2) for t in LOSS_TYPES],
-    *[Case(loss_type=t, grad_accum=2, num_iterations=2, beta=0.04, bias_correction_kl=False,
-           scale_rewards="batch") for t in LOSS_TYPES],
-    # dr_grpo's normaliser is max_completion_length, not the longest completion of the batch
-    Case(loss_type="dr_grpo", max_completion_length=12),
-    Case(loss_type="dr_grpo", max_completion_length=12, grad_accum=2),
-    # TRL's policy-loss variants, off-policy (a second iteration) so that ratios leave 1
-    *[Case(num_iterations=2, options=options) for options in [
-        (("delta", 1.1),),  # two-sided clipping caps some negative-advantage ratios
-        (("importance_sampling_level", "sequence"),),  # GSPO
-        (("importance_sampling_level", "sequence"), ("loss_type", "luspo")),
-        (("mask_truncated_completions", True),),
-        (("mask_truncated_completions", True), ("loss_type", "dapo")),
-        (("off_policy_mask_threshold", 0.001),),
-    ]],
-    *[Case(loss_type=t, num_iterations=2) for t in ("cispo", "sapo", "luspo", "vespo")],
-    Case(loss_type="cispo", num_iterations=2, options=(("epsilon_high", 1.0),)),
-    *[Case(loss_type=t, grad_accum=2, num_iterations=2, beta=0.04)
-      for t in ("cispo", "sapo", "luspo", "vespo")],
-    Case(num_iterations=2, beta=0.04, grad_accum=2,
-         options=(("importance_sampling_level", "sequence"), ("delta", 1.1))),
-]))
+CASES = list(
+    dict.fromkeys(
+        [  # (dict.fromkeys drops repeats, keeping the order)
+            # every shared loss_type with every scale_rewards: on-policy, one batch, one micro-batch
+            *[
+                Case(loss_type=t, scale_rewards=s)
+                for t in LOSS_TYPES
+                for s in ("group", "batch", "none")
+            ],
+            *[Case(scale_rewards=s) for s in (True, False)],  # TRL's aliases of "group" and "none"
+            # a second iteration on the batch: ratio != 1, some tokens clipped
+            *[Case(loss_type=t, num_iterations=2) for t in LOSS_TYPES],
+            # the KL term, with and without TRL's bias correction, where the policy has left the
+            # reference: a second iteration on the batch, or (on-policy) a second batch after one
+            # update
+            *[
+                Case(loss_type=t, beta=0.04, bias_correction_kl=bc, num_iterations=2)
+                for t in LOSS_TYPES
+                for bc in (True, False)
+            ],
+            *[
+                Case(beta=0.04, bias_correction_kl=bc, steps=s)
+                for bc in (True, False)
+                for s in (1, 2)
+            ],
+            # gradient accumulation: 2 micro-batches of 6 completions (the middle group straddles
+            # them)
+            *[Case(loss_type=t, grad_accum=2) for t in LOSS_TYPES],
+            *[
+                Case(
+                    loss_type=t,
+                    grad_accum=2,
+                    num_iterations=2,
+                    beta=0.04,
+                    bias_correction_kl=False,
+                    scale_rewards="batch",
+                )
+                for t in LOSS_TYPES
+            ],
+            # dr_grpo's normaliser is max_completion_length, not the longest completion of the batch
+            Case(loss_type="dr_grpo", max_completion_length=12),
+            Case(loss_type="dr_grpo", max_completion_length=12, grad_accum=2),
+            # TRL's policy-loss variants, off-policy (a second iteration) so that ratios leave 1
+            *[
+                Case(loss_type=t, num_iterations=2, options=options)
+                for t, options in [
+                    (
+                        "grpo",
+                        (("delta", 1.1),),
+                    ),  # two-sided clipping caps some negative-advantage ratios
+                    ("grpo", (("importance_sampling_level", "sequence"),)),  # GSPO
+                    ("luspo", (("importance_sampling_level", "sequence"),)),
+                    ("grpo", (("mask_truncated_completions", True),)),
+                    ("dapo", (("mask_truncated_completions", True),)),
+                    ("grpo", (("off_policy_mask_threshold", 0.001),)),
+                ]
+            ],
+            *[Case(loss_type=t, num_iterations=2) for t in ("cispo", "sapo", "luspo", "vespo")],
+            Case(loss_type="cispo", num_iterations=2, options=(("epsilon_high", 1.0),)),
+            *[
+                Case(loss_type=t, grad_accum=2, num_iterations=2, beta=0.04)
+                for t in ("cispo", "sapo", "luspo", "vespo")
+            ],
+            Case(
+                num_iterations=2,
+                beta=0.04,
+                grad_accum=2,
+                options=(("importance_sampling_level", "sequence"), ("delta", 1.1)),
+            ),
+        ]
+    )
+)
 
 
 def parametrize(quantity: str):
@@ -381,8 +479,11 @@ def results(random_tiny, tmp_path_factory):
 
 def max_grad_difference(theirs: Result, ours: Result) -> float:
     assert len(theirs.grads) == len(ours.grads)
-    return max((theirs_step[name] - ours_step[name]).abs().max().item()
-               for theirs_step, ours_step in zip(theirs.grads, ours.grads) for name in theirs_step)
+    return max(
+        (theirs_step[name] - ours_step[name]).abs().max().item()
+        for theirs_step, ours_step in zip(theirs.grads, ours.grads)
+        for name in theirs_step
+    )
 
 
 def test_trl_is_the_pinned_version():
@@ -442,10 +543,26 @@ def test_report_differences(results, capsys):
     rows = []
     for case in CASES:
         theirs, ours = results(case)
-        rows.append((case.id, (theirs.advantages - ours.advantages).abs().max().item(),
-                     abs(theirs.loss - ours.loss), max_grad_difference(theirs, ours)))
+        rows.append(
+            (
+                case.id,
+                (theirs.advantages - ours.advantages).abs().max().item(),
+                abs(theirs.loss - ours.loss),
+                max_grad_difference(theirs, ours),
+            )
+        )
     with capsys.disabled():
         print(f"\n{'case':78} {'advantages':>10} {'loss':>9} {'gradient':>9}")
         for name, *differences in rows:
             print(f"{name:78} " + " ".join(f"{d:9.1e}" for d in differences))
     assert max(max(row[1:]) for row in rows) <= ATOL
+
+
+def test_each_variant_changes_the_step(results):
+    """The variant cases are not vacuous: each option changes TRL's gradient on this batch (so the
+    agreement above tests the option, not the plain loss)."""
+    for case in CASES:
+        if case.options and case.grad_accum == 1:
+            plain = Case(loss_type=case.loss_type, num_iterations=case.num_iterations)
+            with_option, without = results(case)[0], results(plain)[0]
+            assert max_grad_difference(with_option, without) > 1e-4, case.id

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from grpo_companion.core.stats import expected_normal_range
 from grpo_companion.lm import gsm8k
 
 # rollouts' sampler, with every logits processor off; shared so that a resampled continuation
@@ -243,13 +244,27 @@ def prefix_values(
     return PrefixValues(values, standard_errors, num_resamples)
 
 
+def noise_row_range(standard_errors: Tensor, mask: Tensor) -> float:
+    """The mean over completions of the max - min that independent noise of the given standard
+    errors would spread over its T tokens: `expected_normal_range(T)` times the completion's
+    mean standard error (equal errors make it exact; the ledger compares the credit's spread
+    with it). standard_errors, mask: (N, T)."""
+    mask = mask.bool()
+    lengths = mask.sum(dim=1)
+    mean_errors = (standard_errors * mask).sum(dim=1) / lengths.clamp(min=1)
+    ranges = torch.tensor([expected_normal_range(int(n)) for n in lengths], dtype=mean_errors.dtype)
+    return (ranges * mean_errors).mean().item()
+
+
 def prefix_value_summary(estimate: PrefixValues, rollouts: Rollouts) -> dict:
     """What the estimate of `prefix_values` cost, how noisy it is, and a consistency check.
 
     Returns "num_resamples" (K) and "num_continuations" (sampled in all); the mean standard
     error of a token's credit "mean_credit_standard_error", and "credit_mean_row_spread", the
-    mean max - min of the credit along a completion; the two estimates of each group's V(prompt),
-    "prompt_values" (the mean of its G resampled V(s_0)) and "group_pass_rates", (num_groups,),
+    mean max - min of the credit along a completion; "credit_noise_row_range", the mean spread
+    that pure noise of the measured size would give (`noise_row_range`); the two estimates of
+    each group's V(prompt), "prompt_values" (the mean of its G resampled V(s_0)) and
+    "group_pass_rates", (num_groups,),
     and "prompt_value_max_gap_in_errors": their largest gap in units of the pass rate's binomial
     standard error (the larger of the two noises).
     """
@@ -264,6 +279,7 @@ def prefix_value_summary(estimate: PrefixValues, rollouts: Rollouts) -> dict:
         "num_continuations": int(rollouts.lengths.sum()) * estimate.num_resamples,
         "mean_credit_standard_error": estimate.credit_standard_errors[mask].mean().item(),
         "credit_mean_row_spread": row_spread(estimate.credit, mask).mean().item(),
+        "credit_noise_row_range": noise_row_range(estimate.credit_standard_errors, mask),
         "prompt_values": prompt_values,
         "group_pass_rates": pass_rates,
         "prompt_value_max_gap_in_errors": gaps.max().item(),

@@ -89,6 +89,8 @@ BUDGET_ESTIMATORS = {label: method for label, method in ESTIMATORS.items() if me
 def u_statistic(scores: Tensor, rewards: Tensor) -> Tensor:
     """U = C(G, 2)^{-1} sum_{i < j} (r_i - r_j)(s_i - s_j) / 2, pair by pair.
 
+    Chapter: :doc:`/book/10_group_size`
+
     `scores: (..., G, num_params)`, `rewards: (..., G)`; returns `(..., num_params)`. Built from
     the pairs on purpose (O(G^2)): it is the definition, against which the O(G) forms are tested.
     """

@@ -7,9 +7,10 @@ values or the verdict's text. The verdict's classes keep the paper's letter for 
 """
 
 import pandas as pd
+from scipy import stats
 
 from grpo_companion.core.spectra import RANK_MEASURES
-from grpo_companion.core.stats import mean_interval
+from grpo_companion.core.stats import mean_interval, slope_of_means
 
 
 def summarise_ranks(frame, by: list[str], measures=RANK_MEASURES, confidence: float = 0.95):
@@ -190,3 +191,33 @@ def headline_records(summary: pd.DataFrame) -> dict:
             for model, rows in part.groupby("model")
         }
     return records
+
+
+def rank_change_records(table: pd.DataFrame, confidence: float = 0.95) -> dict:
+    """"Regardless of R" as a number with an interval: {"effective_rank_change": {model:
+    {candidate: {"mean", "low", "high"}}}}, the least-squares slope of the mean entropy effective
+    rank against G (`slope_of_means`, the groups at each G independent of the others) times the
+    span of G measured, for binary rewards before training, from a `candidate_table`. The
+    standard error of each mean is read back from its t-interval; a candidate without one (the
+    stacked group gradients: one matrix per G) has low and high None, as has one measured at a
+    single G. 0 says the rank does not move with R; the ledger bounds the interval by 0.5."""
+    headline = (table["reward"] == "binary") & (table["stage"] == "early")
+    rows = table[headline & (table["measure"] == "entropy")]
+    records = {}
+    for (model, candidate), part in rows.groupby(["model", "candidate"], sort=True):
+        part = part.sort_values("group_size")
+        sizes = part["group_size"].astype(float).to_numpy()
+        if len(set(sizes)) < 2:
+            continue
+        errors = [
+            (row["high"] - row["low"]) / (2 * stats.t.ppf((1 + confidence) / 2, row["n"] - 1))
+            if row.get("n", 0) >= 2 and pd.notna(row["high"])
+            else None
+            for row in part.to_dict("records")
+        ]
+        slope = slope_of_means(sizes, part["mean"].to_numpy(dtype=float), errors)
+        span = sizes[-1] - sizes[0]
+        records.setdefault(model, {})[candidate] = {
+            key: None if value is None else float(value * span) for key, value in slope.items()
+        }
+    return {"effective_rank_change": records}

@@ -36,10 +36,13 @@ from torch import Tensor
 
 from grpo_companion.core.advantages import zero_std_groups
 from grpo_companion.core.exact import check_group_size, check_pass_rates
+from grpo_companion.core.group_estimators import group_gradient
 
 
 def iid_degenerate_rate(pass_rates, group_size):
     """P(all G correct) = p^G and P(all G wrong) = (1 - p)^G for each pass rate p.
+
+    Chapter: :doc:`/book/06_sparsity`
 
     Returns: dict of float64 arrays of shape (P,): all_correct, all_wrong and their sum,
     degenerate (= `exact.estimator_moments(...)["degenerate_rate"]`).
@@ -158,7 +161,8 @@ def zero_advantage_fractions(
 
 
 def group_gradients(advantages: Tensor, scores: Tensor) -> Tensor:
-    """Per-group estimates (1/G) sum_i A_i s_i, (num_prompts, P).
+    """Per-group estimates (1/G) sum_i A_i s_i, (num_prompts, P): the one `group_gradient` of
+    `core.group_estimators`, on scores laid out one row per rollout.
 
     Args: advantages (num_prompts, G); scores (num_prompts * G, P), one row s_i = grad log
     pi(o_i) per rollout, in prompt-major order.
@@ -169,7 +173,7 @@ def group_gradients(advantages: Tensor, scores: Tensor) -> Tensor:
             f"shapes {tuple(advantages.shape)} and {tuple(scores.shape)}"
         )
     num_prompts, group_size = advantages.shape
-    return (advantages[..., None] * scores.view(num_prompts, group_size, -1)).mean(dim=1)
+    return group_gradient(scores.view(num_prompts, group_size, -1), advantages)
 
 
 def gradient_share(group_gradients: Tensor, mask: Tensor) -> float:

@@ -84,6 +84,8 @@ def group_advantages(
 ) -> Tensor:
     """Advantages of each completion relative to its group.
 
+    Chapter: :doc:`/book/02_group_baseline`
+
     Args:
         rewards: (num_groups, group_size) floating point, one row per prompt.
         method: one of ``METHODS`` (see the module docstring).

@@ -161,6 +161,8 @@ def estimator_moments(
 ):
     """Exact moments of g = (1/G) sum_i A_i s_i for each pass rate p (see module docstring).
 
+    Chapter: :doc:`/book/02_group_baseline`
+
     Args:
         pass_rates: (P,) or scalar, values in [0, 1].
         group_size: G >= 2 (G >= 1 for the `GROUP_FREE` baselines).

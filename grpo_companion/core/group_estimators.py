@@ -69,6 +69,8 @@ def multisets(
 def group_gradient(scores: Tensor, advantages: Tensor) -> Tensor:
     """The group's gradient estimate g = (1/G) sum_i A_i s_i, at ratio 1 (first step on a batch).
 
+    Chapter: :doc:`/book/02_group_baseline`
+
     `scores: (..., G, num_params)` (s_i = grad log pi(y_i)), `advantages: (..., G)`; returns
     `(..., num_params)`, one g per group. The 1/G is the group mean of GRPO's loss (the gradient
     of -(1/G) sum_i A_i log pi(y_i)); the plain sum S^T A, which some derivations use, is G g.

@@ -25,8 +25,9 @@ decides how much each token weighs:
 On one batch, bnpo and dapo are the same formula; they differ only in the trainer, when the batch
 is split into micro-batches (``lm/trainer.py``): TRL's "bnpo" divides each micro-batch by its own
 token count and averages the micro-batches, as verl's "token-mean" does on its legacy worker
-(``loss / gradient_accumulation``); TRL's "dapo" divides by the token count of the whole batch,
-as verl's "token-mean" does since it passes the global batch's token count. verl's
+(``loss / gradient_accumulation``, without ``use_dynamic_bsz``); TRL's "dapo" divides by the
+token count of the whole batch, as verl's "token-mean" does where it is passed the global
+batch's token count. verl's
 "seq-mean-token-sum-norm" is sum_it l_it / L_max, with L_max the response width
 (``loss_mask.shape[-1]``, or verl's ``loss_scale_factor``): Dr. GRPO's normaliser without the
 number of sequences B, so it is B times our (and TRL's) "dr_grpo".
@@ -90,6 +91,8 @@ def clipped_surrogate(
     importance_sampling_level: str = "token",
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate, negated so that it is a loss.
+
+    Chapter: :doc:`/book/03_grpo_loss`
 
     Args:
         log_probs, old_log_probs: (batch, seq_len) log pi and log pi_old of the
@@ -224,6 +227,8 @@ def kl_penalty(
 ) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
+    Chapter: :doc:`/book/03_grpo_loss`
+
     With x = log(pi / pi_ref) at the sampled token (Schulman, "Approximating
     KL divergence", 2020):
 
@@ -277,6 +282,8 @@ def aggregate(
     allow_empty: bool = False,
 ) -> Tensor:
     """Reduce a (batch, seq_len) per-token loss to a scalar.
+
+    Chapter: :doc:`/book/03_grpo_loss`
 
     With L_i the number of unmasked tokens of sequence i and B the batch size:
 

@@ -164,7 +164,10 @@ def sum_mod_reward(sequences: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def reinforce_gradient(scores: torch.Tensor, rewards: torch.Tensor, baseline=0.0) -> torch.Tensor:
-    """g_b = (1/n) sum_i (r_i - b) s_i for `scores: (n, num_params)`, `rewards: (n,)`."""
+    """g_b = (1/n) sum_i (r_i - b) s_i for `scores: (n, num_params)`, `rewards: (n,)`.
+
+    Chapter: :doc:`/book/01_policy_gradient`
+    """
     return ((rewards - baseline)[:, None] * scores).mean(dim=0)
 
 
@@ -185,7 +188,10 @@ def estimator_variance(
 
 
 def optimal_baseline(policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor) -> float:
-    """b* = E[||s||^2 r] / E[||s||^2], the constant baseline of least variance: argmin Var[g_b]."""
+    """b* = E[||s||^2 r] / E[||s||^2], the constant baseline of least variance: argmin Var[g_b].
+
+    Chapter: :doc:`/book/01_policy_gradient`
+    """
     probs = policy.probs(logits)
     squared_norms = policy.scores(logits, policy.all_sequences()).square().sum(dim=1)
     return float((probs * squared_norms) @ rewards / (probs @ squared_norms))

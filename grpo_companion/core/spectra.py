@@ -72,6 +72,8 @@ def rank_measures(singular_values: Tensor) -> dict[str, Tensor]:
 def effective_rank(singular_values: Tensor) -> Tensor:
     """Entropy effective rank exp(H(p)), p_k = sigma_k / sum_j sigma_j, H = -sum p log p.
 
+    Chapter: :doc:`/book/07_rank`
+
     Roy and Vetterli (2007), "The effective rank: a measure of effective dimensionality",
     EUSIPCO. Real-valued, 1 <= erank <= rank, equal to the rank iff the nonzero singular values
     are equal (n equal ones give n). Sensitive to a floor of tiny singular values: -p log p

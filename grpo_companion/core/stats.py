@@ -63,3 +63,41 @@ def fitted_trend(steps, values, confidence: float = 0.95) -> dict:
     slopes = (values - values.mean(axis=1, keepdims=True)) @ centred / (centred @ centred)
     return {"slopes": slopes, **{key: value for key, value in
                                  mean_interval(slopes, confidence).items() if key != "n"}}
+
+
+def expected_normal_range(n: int) -> float:
+    """E[max - min] of n independent standard normals, by quadrature of
+    E[R_n] = ∫ 1 - Φ(x)^n - (1 - Φ(x))^n dx (0 for n <= 1; 2/√π for n = 2, 3/√π for n = 3).
+
+    The range that pure noise of unit standard error spreads over along n estimates: credit that
+    varies along a completion by no more than this times its standard error is noise.
+    """
+    if n <= 1:
+        return 0.0
+    from scipy import integrate
+
+    def integrand(x):
+        return -np.expm1(n * stats.norm.logcdf(x)) - np.exp(n * stats.norm.logsf(x))
+
+    return float(integrate.quad(integrand, -np.inf, np.inf, limit=200)[0])
+
+
+def slope_of_means(x, means, standard_errors, confidence: float = 0.95) -> dict:
+    """Least-squares slope of independent means against x, and its normal interval.
+
+    x, means, standard_errors: (k,) with k >= 2 distinct x; each mean from its own sample (the
+    groups at one G are not the groups at another), so the slope Σ c_i m_i / Σ c_i² (c = x -
+    mean x) has variance Σ c_i² se_i² / (Σ c_i²)². Returns {"mean", "low", "high"}; low and high
+    are None when a standard error is unknown (None or NaN: a mean of one group).
+    """
+    x, means = np.asarray(x, dtype=float), np.asarray(means, dtype=float)
+    errors = np.array([np.nan if e is None else e for e in standard_errors], dtype=float)
+    centred = x - x.mean()
+    scale = centred @ centred
+    if x.size < 2 or scale == 0:
+        raise ValueError(f"need at least two distinct x, got {x.tolist()}")
+    slope = float(centred @ means / scale)
+    if not np.all(np.isfinite(errors)):
+        return {"mean": slope, "low": None, "high": None}
+    half = stats.norm.ppf((1 + confidence) / 2) * np.sqrt(centred**2 @ errors**2) / scale
+    return {"mean": slope, "low": float(slope - half), "high": float(slope + half)}

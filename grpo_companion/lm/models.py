@@ -455,10 +455,11 @@ def _load_from_hub(name: str, device: str):
     """Load `name` through transformers, failing fast when the hub is out of reach.
 
     transformers alone retries an unreachable hub for about 30 seconds before failing
-    with a generic message; one quick probe first gives a clear error at once.
+    with a generic message; one quick probe first gives a clear error at once. A local
+    folder (`save_pretrained`'s) is loaded as it is, without the hub.
     """
-    local_files_only = not _hub_reachable(name)
-    if local_files_only and not _in_hf_cache(name):
+    local_files_only = Path(name).is_dir() or not _hub_reachable(name)
+    if local_files_only and not Path(name).is_dir() and not _in_hf_cache(name):
         raise ModelUnavailableError(
             f"cannot load {name!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE"
             f" set) and the model is not cached. Offline: {', '.join(map(repr, OFFLINE_MODELS))}."

@@ -131,7 +131,7 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     num_iterations: int = 1  # mu, updates per batch of rollouts
-    micro_batch_size: int = 64  # completions per forward-backward pass
+    micro_batch_size: int = 64  # completions per forward-backward pass; matters for "bnpo" only
     rollout_batch_size: int = (
         64  # completions per `generate` call and log-prob pass of the rollouts
     )
@@ -380,9 +380,8 @@ def grpo_step(
             tokens = loss_mask[batch].sum().item()
             totals["loss"] += share * loss.item()
             for name in ("kl", *CLIP_METRICS):
-                totals[name] += stats["clip_ratio" if name == CLIP_METRICS[0] else name] * (
-                    tokens / kept_tokens
-                )
+                value = stats["clip_ratio" if name == CLIP_METRICS[0] else name]
+                totals[name] += value * tokens / kept_tokens
             if tokens:
                 entropy = mean_entropy(captured[-1], loss_mask[batch], config.temperature)
                 totals["entropy"] += entropy * tokens / kept_tokens
@@ -412,10 +411,9 @@ def loss_options(config: GRPOConfig) -> dict:
     """The keyword arguments of `losses.grpo_loss` that `config` sets (but the batch's sizes)."""
     names = (
         "beta", "epsilon", "epsilon_high", "loss_type", "alpha", "use_bias_correction_kl",
-        "delta", "importance_sampling_level", "off_policy_mask_threshold",
+        "kl_clamp", "delta", "importance_sampling_level", "off_policy_mask_threshold",
     )  # fmt: skip
     options = {name: getattr(config, name) for name in names}
-    options["kl_clamp"] = config.kl_clamp
     if config.loss_type == "sapo":
         options.update(sapo_temperature_pos=config.sapo_temperature_pos,
                        sapo_temperature_neg=config.sapo_temperature_neg)  # fmt: skip

@@ -1,13 +1,28 @@
 """The checks of the claims ledger: `low <= expression <= high`, the expression over one chapter's
 recorded values, parsed and never `eval`ed: numbers, result keys, subscripts
-(`ranks["tiny-llama"]["8"]`), + - * / **, and the functions of `FUNCTIONS`."""
+(`ranks["tiny-llama"]["8"]`), + - * / **, the functions of `FUNCTIONS`, and `known(x)`: 1 when
+x is a finite number, 0 when it is missing (an absent subscript), None or NaN, so that a rule can
+say "the run measured nothing" (a model with no mixed group has no effective rank to record).
+A value that was not measured is NaN elsewhere, and NaN passes no check."""
 
 import ast
 import math
 import operator
 from dataclasses import dataclass
 
-FUNCTIONS = {"abs": abs, "min": min, "max": max, "len": len, "sum": sum}
+
+def _nan_aware(reduce):
+    """min or max of numbers, NaN if any is NaN (Python's min(1, nan) is 1, min(nan, 1) nan)."""
+
+    def function(*args):
+        items = args[0] if len(args) == 1 else args
+        items = list(items.values() if isinstance(items, dict) else items)
+        return math.nan if any(math.isnan(item) for item in items) else reduce(items)
+
+    return function
+
+
+FUNCTIONS = {"abs": abs, "min": _nan_aware(min), "max": _nan_aware(max), "len": len, "sum": sum}
 OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -35,10 +50,16 @@ def evaluate_expression(expression: str, values: dict):
     """`expression` with each key replaced by `values[key]`; only the grammar above."""
 
     def walk(node):
+        if _is_call(node, "known") and len(node.args) == 1:
+            try:
+                value = walk(node.args[0])
+            except (LookupError, TypeError):
+                return 0.0
+            return float(isinstance(value, int | float) and math.isfinite(value))
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float | str):
             return node.value
         if isinstance(node, ast.Name):
-            return values[node.id]
+            return math.nan if values[node.id] is None else values[node.id]
         if isinstance(node, ast.BinOp | ast.UnaryOp) and type(node.op) in OPERATORS:
             operands = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.operand,)
             return OPERATORS[type(node.op)](*map(walk, operands))
@@ -50,10 +71,20 @@ def evaluate_expression(expression: str, values: dict):
         ):
             return FUNCTIONS[node.func.id](*map(walk, node.args))
         if isinstance(node, ast.Subscript):
-            return walk(node.value)[walk(node.slice)]
+            value = walk(node.value)[walk(node.slice)]
+            return math.nan if value is None else value
         raise ValueError(f"unsupported in a check: {ast.unparse(node)!r} in {expression!r}")
 
     return walk(ast.parse(expression, mode="eval").body)
+
+
+def _is_call(node, name: str) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == name
+        and not node.keywords
+    )
 
 
 def finite(value: float) -> float | None:
@@ -77,7 +108,10 @@ class Check:
         return f"{self.low:g} ≤ {self.expression} ≤ {self.high:g}"
 
     def judge(self, values: dict) -> dict:
-        value = float(evaluate_expression(self.expression, values))
+        try:
+            value = float(evaluate_expression(self.expression, values))
+        except (LookupError, TypeError):  # a subscript the run did not record: not measured
+            value = math.nan
         return {
             "expression": self.expression,
             "rule": str(self),

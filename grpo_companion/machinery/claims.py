@@ -4,10 +4,17 @@ chapter recorded (`_build/results/<chapter>.json`), render the ledger.
 A claim cites works by key of `book/references.bib` and carries its verdict rule: checks, each an
 expression over the recorded values with bounds (`machinery/checks.py`). The verdict is
 "needs hardware or data this run lacked" when the run's setup (`profile`, or a recorded value
-such as `model_name`) is not the claim's `requires`; else "reproduced" when every check of
-`reproduced` holds, "reproduced qualitatively" when every check of the looser, optional
-`qualitatively` holds, "not reproduced" otherwise. A claim whose chapter has no results, failed
-in its last run, or lacks a key or figure the claim names raises a one-line `ClaimError`.
+such as `model_name`) is not the claim's `requires`; else "inconclusive" when the claim is
+`pending` (the experiment that could decide it is not in the book yet: the reason is given) or
+when any check of `inconclusive` holds (the run could not show the effect either way: an
+interval wider than the effect, or a run that never entered the regime the claim is about);
+else "reproduced" when every check of `reproduced` holds, "reproduced qualitatively" when every
+check of the looser, optional `qualitatively` holds, and "not reproduced", a measurement that
+contradicts the claim, otherwise. A claim that no run can leave undecided (an exact identity)
+says why in `never_inconclusive` instead. Each claim carries `examples`, recorded values that
+support it, contradict it and cannot decide it (tests/test_claims.py judges all three). A claim
+whose chapter has no results, failed in its last run, or lacks a key or figure the claim names
+raises a one-line `ClaimError`.
 """
 
 import json
@@ -29,15 +36,18 @@ from grpo_companion.machinery.checks import (
 REPRODUCED = "reproduced"
 QUALITATIVE = "reproduced qualitatively"
 NOT_REPRODUCED = "not reproduced"
+INCONCLUSIVE = "inconclusive"
 NEEDS_SETUP = "needs hardware or data this run lacked"
-VERDICTS = (REPRODUCED, QUALITATIVE, NOT_REPRODUCED, NEEDS_SETUP)
+VERDICTS = (REPRODUCED, QUALITATIVE, INCONCLUSIVE, NOT_REPRODUCED, NEEDS_SETUP)
+# The example sets of a claim, by the verdict each must get.
+EXAMPLES = {"supporting": REPRODUCED, "contradicting": NOT_REPRODUCED, "underpowered": INCONCLUSIVE}
 
 
 class ClaimError(Exception):
     """A claim that cannot be loaded or judged: its chapter, result key or figure is missing."""
 
 
-TIERS = ("reproduced", "qualitatively")
+TIERS = ("reproduced", "qualitatively", "inconclusive")
 
 
 @dataclass(frozen=True)
@@ -54,13 +64,18 @@ class Claim:
     measured: str
     reproduced: tuple[Check, ...]
     qualitatively: tuple[Check, ...] = ()
+    inconclusive: tuple[Check, ...] = ()
+    never_inconclusive: str = ""
+    pending: str = ""
     source_value: float | None = None
     requires: dict = field(default_factory=dict)
     notes: str = ""
+    examples: dict = field(default_factory=dict)
 
     @property
     def keys(self) -> list[str]:
-        expressions = [self.measured, *(c.expression for c in self.reproduced + self.qualitatively)]
+        checks = self.reproduced + self.qualitatively + self.inconclusive
+        expressions = [self.measured, *(check.expression for check in checks)]
         keys = [key for expression in expressions for key in expression_keys(expression)]
         return list(dict.fromkeys(keys + [key for key in self.requires if key != "profile"]))
 
@@ -116,21 +131,47 @@ def judge(claim: Claim, results: dict) -> dict:
         for tier in TIERS
     }
     holds = {tier: all(row["passed"] for row in rows) for tier, rows in checks.items()}
+    undecided = [row["rule"] for row in checks["inconclusive"] if row["passed"]]
+    reason = claim.pending or "; ".join(undecided)
     if mismatched:
-        verdict = NEEDS_SETUP
+        verdict, reason = NEEDS_SETUP, ""
+    elif reason:
+        verdict = INCONCLUSIVE
     elif holds["reproduced"]:
         verdict = REPRODUCED
     elif claim.qualitatively and holds["qualitatively"]:
         verdict = QUALITATIVE
     else:
         verdict = NOT_REPRODUCED
-    measured = None if mismatched else finite(float(evaluate_expression(claim.measured, values)))
+    measured = None if mismatched else _measured(claim.measured, values)
     return {
         "verdict": verdict,
+        "reason": reason,
         "measured_value": measured,
         "checks": checks,
         "setup_mismatch": mismatched,
     }
+
+
+def _measured(expression: str, values: dict) -> float | None:
+    try:
+        return finite(float(evaluate_expression(expression, values)))
+    except (LookupError, TypeError):  # a subscript the run did not record
+        return None
+
+
+def rules(claim: Claim) -> dict[str, str]:
+    """The claim's conditions as text: "reproduced" (every check), "qualitatively" (every
+    check, or ""), "inconclusive" (any check, or why it cannot be, or the pending reason)."""
+    text = {
+        tier: " and ".join(f"`{check}`" for check in getattr(claim, tier)) for tier in TIERS[:2]
+    }
+    undecided = " or ".join(f"`{check}`" for check in claim.inconclusive)
+    if claim.pending:
+        undecided = f"always until: {claim.pending}"
+    elif claim.never_inconclusive:
+        undecided = f"never: {claim.never_inconclusive}"
+    return text | {"inconclusive": undecided}
 
 
 def chapter_results(build_dir: Path, claim: Claim) -> dict:
@@ -161,7 +202,11 @@ def ledger(build_dir: Path, claims) -> dict:
     rows = []
     for claim in claims:
         results = chapter_results(build_dir, claim)
-        row = {key: value for key, value in asdict(claim).items() if key not in TIERS}
+        row = {
+            key: value
+            for key, value in asdict(claim).items()
+            if key not in (*TIERS, "examples", "never_inconclusive")
+        } | {"rules": rules(claim)}
         rows.append(
             row
             | judge(claim, results)
@@ -200,18 +245,32 @@ def _number(value) -> str:
     return "—" if value is None else f"{value:.3g}"
 
 
+CONDITIONS = {
+    "reproduced": "reproduced if",
+    "qualitatively": "qualitatively if",
+    "inconclusive": "inconclusive if",
+}
+
+
 def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
     """The ledger as a MyST table: each row cites its sources (`{cite:p}`, sphinxcontrib-bibtex)
     and links its chapter (`{doc}`) and its figure's PNG (a local link, which Sphinx checks)."""
     lines = [
-        "| claim | verdict | measured | source reports | source | tested in | profile, model |",
-        "|---|---|---|---|---|---|---|",
+        "| claim | verdict | measured | conditions | source reports | source | tested in "
+        "| profile, model |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in table["claims"]:
         figure = f"{figures_prefix}/{row['chapter']}/{row['figure']}.png"
+        verdict = f"**{row['verdict']}**" + (f" ({_cell(row['reason'])})" if row["reason"] else "")
+        conditions = "; ".join(
+            f"*{label}* {_cell(row['rules'][tier])}"
+            for tier, label in CONDITIONS.items()
+            if row["rules"][tier]
+        )
         lines.append(
-            f"| **{row['id']}**: {_cell(row['statement'])} | **{row['verdict']}** "
-            f"| `{row['measured']}` = {_number(row['measured_value'])} "
+            f"| **{row['id']}**: {_cell(row['statement'])} | {verdict} "
+            f"| `{row['measured']}` = {_number(row['measured_value'])} | {conditions} "
             f"| {_number(row['source_value'])} | {{cite:p}}`{','.join(row['sources'])}` "
             f"| {{doc}}`{row['chapter']}`, figure [{row['figure']}]({figure}) "
             f"| {row['profile']}, {row['model_name'] or 'no model'} |"

@@ -1,4 +1,4 @@
-"""Command line of the book: `python -m grpo_companion {list,run,book,html}`.
+"""Command line of the book: `python -m grpo_companion {list,run,book,html,pdf}`.
 
 Every command and subcommand answers `--help` with what it does and an example.
 """
@@ -31,7 +31,8 @@ examples:
   python -m grpo_companion list
   python -m grpo_companion run 01_policy_gradient -p num_repeats 50
   python -m grpo_companion book --profile smoke
-  python -m grpo_companion --build-dir /tmp/book html"""
+  python -m grpo_companion --build-dir /tmp/book html
+  python -m grpo_companion pdf"""
 
 # name: (what it does, in one line; more; an example)
 COMMANDS = {
@@ -59,6 +60,14 @@ COMMANDS = {
         "Render the HTML from the executed chapters under the build folder (every chapter must "
         "have run), with Sphinx warnings as errors.",
         "python -m grpo_companion html",
+    ),
+    "pdf": (
+        "print the built HTML into one PDF",
+        "Print every page of the built HTML, in the order of _toc.yml, with headless Chromium "
+        "once MathJax has typeset it, and merge the pages into ROOT/_build/pdf/book.pdf with one "
+        "bookmark per page. Needs the HTML (`book` or `html` first) and Debian's chromium and "
+        "chromium-driver (`make browser`).",
+        "python -m grpo_companion pdf",
     ),
 }
 
@@ -150,6 +159,12 @@ def main(argv=None) -> int:
             html = build_html(project)
             seconds = time.perf_counter() - start
             print(f"built the HTML in {seconds:.1f} s; open {html / 'index.html'}")
+        if args.command == "pdf":
+            from grpo_companion.machinery.pdf import build_pdf
+
+            start = time.perf_counter()
+            pdf = build_pdf(project)
+            print(f"printed the PDF in {time.perf_counter() - start:.1f} s: {pdf}")
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -13,6 +13,12 @@ Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs.  
    declares, replaces its published outputs in one move each: `_build/source/book/<chapter>.ipynb`,
    `_build/figures/<chapter>/`, `_build/results/<chapter>.json`. A failing chapter leaves its
    notebook in `_build/failed/` (until it next succeeds) and every published output as it was.
+4. before publishing, adds the pipeline's part of the `provenance` record to the results (the
+   kernel's part comes from `ChapterReport.write`; see `provenance.py`), stores the run's seconds
+   in `_build/timings/<profile>.json` (runs without overrides only), and makes the notebook fit
+   to publish: papermill's injected cell, which holds the build's absolute paths, and the paths
+   in papermill's metadata are dropped, and under the title go what the chapter needs (CPU or
+   GPU, its last measured minutes per profile, a re-run command) and the parameters it ran with.
 
 `build_html` renders `_build/source` (a copy of the book with the executed notebooks, its other
 pages and `references.bib`, plus `_build/figures` as `figures/`, so pages can link them) into
@@ -28,9 +34,16 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from grpo_companion.machinery.declarations import load_declarations, mismatches
+from grpo_companion.machinery.provenance import (
+    header_markdown,
+    load_timings,
+    pipeline_provenance,
+    record_timing,
+)
 
 RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
 INJECTED_IF_DECLARED = ("build_dir",)  # injected into the chapters that declare it
@@ -145,6 +158,14 @@ def resolve_parameters(
     an override lists only the keys it changes. The keys inside such a dict are not checked here
     (a default like `tiny_llama = {}` names none): a misspelt one reaches the chapter, whose
     constructor (`GRPOConfig(**grpo)`, `TinyLlamaSpec(**tiny_llama)`) refuses it when it runs."""
+    return _resolve(project, chapter, profile, overrides)[1]
+
+
+def _resolve(
+    project: Project, chapter: str, profile: str, overrides: dict | None
+) -> tuple[dict, dict, dict]:
+    """(defaults, what the profile and overrides set, where each parameter came from:
+    'default', 'profile' or 'override')."""
     profiles = project.profiles
     if profile not in profiles:
         raise PipelineError(f"unknown profile {profile!r}; valid profiles: {', '.join(profiles)}")
@@ -157,13 +178,13 @@ def resolve_parameters(
     for layer in layers:
         _check_layer(chapter, layer, defaults)
     # A chapter's table that changes one key of a shared dict keeps the shared dict's other keys.
-    parameters = {}
-    for layer in layers:
+    parameters, sources = {}, dict.fromkeys(defaults, "default")
+    for layer, source in zip(layers, ("profile", "profile", "override"), strict=True):
         for name, value in layer.items():
             if isinstance(defaults[name], dict):
                 value = {**defaults[name], **parameters.get(name, {}), **value}
-            parameters[name] = value
-    return parameters
+            parameters[name], sources[name] = value, source
+    return defaults, parameters, sources
 
 
 def _check_layer(chapter: str, parameters: dict, defaults: dict) -> None:
@@ -219,11 +240,14 @@ def execute_chapter(
     overrides: dict | None = None,
     progress: bool = True,
 ) -> float:
-    """Execute one chapter and publish its outputs; returns the seconds it took."""
+    """Execute one chapter and publish its outputs; returns the seconds it took.
+
+    A run without overrides also stores its seconds in `_build/timings/<profile>.json` (a run
+    with overrides measures other work than the profile's)."""
     import jupytext
     import papermill
 
-    parameters = resolve_parameters(project, chapter, profile, overrides)
+    defaults, parameters, sources = _resolve(project, chapter, profile, overrides)
     declaration = project.declaration(chapter)
     work = project.build_dir / "tmp" / chapter
     shutil.rmtree(work, ignore_errors=True)
@@ -231,9 +255,9 @@ def execute_chapter(
     jupytext.write(jupytext.read(project.source(chapter)), work / "source.ipynb")
     executed = work / f"{chapter}.ipynb"
     parameters = {**parameters, "profile": profile, "output_dir": str(work / "out")}
-    declared = chapter_parameters(project.source(chapter))
-    if "build_dir" in declared:
+    if "build_dir" in defaults:
         parameters["build_dir"] = str(project.build_dir)
+    start_time = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.perf_counter()
     try:
         papermill.execute_notebook(
@@ -258,7 +282,8 @@ def execute_chapter(
         raise PipelineError(
             f"chapter {chapter} ran but wrote no results.json (call report.write() at the end)"
         )
-    problems = mismatches(declaration, json.loads(results.read_text()))
+    recorded = json.loads(results.read_text())
+    problems = mismatches(declaration, recorded)
     if problems:
         failed = project.build_dir / "failed" / f"{chapter}.ipynb"
         _replace(executed, failed)
@@ -266,12 +291,66 @@ def execute_chapter(
             f"chapter {chapter} does not match its [{chapter}] of book/results.toml: "
             f"{'; '.join(problems)}; executed notebook: {failed}"
         )
+    resolved = {**defaults, **parameters}
+    recorded["provenance"] = {
+        **recorded.get("provenance", {}),
+        **pipeline_provenance(
+            project.root, chapter, profile, resolved, sources, overrides, start_time, seconds
+        ),
+    }
+    results.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
+    if not overrides:
+        record_timing(project.build_dir, profile, chapter, seconds)
+    header = header_markdown(
+        chapter,
+        profile,
+        resolved,
+        sources,
+        load_timings(project.build_dir),
+        _devices(project, chapter),
+    )
+    _publishable(executed, header)
     _replace(work / "out" / "figures", project.build_dir / "figures" / chapter)
     _replace(results, project.results_path(chapter))
     _replace(executed, project.build_dir / "source" / "book" / f"{chapter}.ipynb")
     (project.build_dir / "failed" / f"{chapter}.ipynb").unlink(missing_ok=True)
     shutil.rmtree(work)
     return seconds
+
+
+def _devices(project: Project, chapter: str) -> dict[str, str]:
+    """{profile: the device `chapter` runs on under it}, from its `device` parameter."""
+    devices = {}
+    for profile in project.profiles:
+        try:
+            defaults, parameters, _ = _resolve(project, chapter, profile, None)
+        except PipelineError:  # a profile broken for this chapter says so when it is run
+            continue
+        devices[profile] = str({**defaults, **parameters}.get("device", "cpu"))
+    return devices
+
+
+def _publishable(notebook_path: Path, header: str) -> None:
+    """Make an executed notebook fit to publish: drop papermill's injected cell and the paths
+    papermill notes in the metadata (no page may show where the book was built), and put
+    `header` under the chapter's title."""
+    import nbformat
+
+    notebook = nbformat.read(notebook_path, as_version=4)
+    notebook.cells = [
+        cell
+        for cell in notebook.cells
+        if "injected-parameters" not in cell.metadata.get("tags", [])
+    ]
+    for key in ("parameters", "input_path", "output_path"):
+        notebook.metadata.get("papermill", {}).pop(key, None)
+    title = next((cell for cell in notebook.cells if cell.cell_type == "markdown"), None)
+    if title is not None and title.source.startswith("# "):
+        first, _, rest = title.source.partition("\n")
+        title.source = "\n".join((first, "", header, rest.lstrip("\n")))
+    else:
+        notebook.cells.insert(0, nbformat.v4.new_markdown_cell(header))
+    nbformat.write(notebook, notebook_path)
 
 
 def build_html(project: Project) -> Path:

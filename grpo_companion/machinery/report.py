@@ -85,6 +85,11 @@ class ChapterReport:
         return value
 
     def write(self) -> Path:
+        """Write results.json, with the kernel's part of the provenance record (package
+        versions, torch threads, CPU, GPU, CPU seconds so far); the pipeline adds its own."""
+        from grpo_companion.machinery.provenance import kernel_provenance
+
+        self.results["provenance"] = kernel_provenance()
         path = self.output_dir / "results.json"
         path.write_text(json.dumps(self.results, indent=2, sort_keys=True) + "\n")
         return path
