@@ -63,8 +63,9 @@ def time_monte_carlo(pass_rates, group_size, moments, relative_error, budget, ge
     if estimate > budget:
         return estimate, groups.sum(), None
     start = time.perf_counter()
-    means = np.array([sampled_mean(p, group_size, n, generator)
-                      for p, n in zip(pass_rates, groups)])
+    means = np.array(
+        [sampled_mean(p, group_size, n, generator) for p, n in zip(pass_rates, groups)]
+    )
     seconds = time.perf_counter() - start
     z = (means - moments["mean"]) / np.sqrt(moments["variance"] / groups)
     return seconds, groups.sum(), float(np.mean(z**2))
@@ -73,27 +74,38 @@ def time_monte_carlo(pass_rates, group_size, moments, relative_error, budget, ge
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--relative-error", type=float, default=1e-3)
-    parser.add_argument("--mc-budget", type=float, default=30.0,
-                        help="seconds of Monte Carlo to run before extrapolating instead")
+    parser.add_argument(
+        "--mc-budget",
+        type=float,
+        default=30.0,
+        help="seconds of Monte Carlo to run before extrapolating instead",
+    )
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 8, 16, 64])
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     pass_rates = (np.arange(1000) + 0.5) / 1000  # midpoints of 1,000 equal bins of (0, 1)
-    print(f"method={METHOD!r}, {len(pass_rates)} pass rates, 1 thread, "
-          f"MC to {args.relative_error:g} relative standard error at every p")
-    print(f"{'G':>3} {'exact s':>9} {'MC s':>14} {'MC/exact':>10} {'MC groups':>10} "
-          f"{'MC z^2':>9}  target < {TARGET_SECONDS:g} s")
+    print(
+        f"method={METHOD!r}, {len(pass_rates)} pass rates, 1 thread, "
+        f"MC to {args.relative_error:g} relative standard error at every p"
+    )
+    print(
+        f"{'G':>3} {'exact s':>9} {'MC s':>14} {'MC/exact':>10} {'MC groups':>10} "
+        f"{'MC z^2':>9}  target < {TARGET_SECONDS:g} s"
+    )
     for group_size in args.group_sizes:
         exact_seconds, moments = time_exact(pass_rates, group_size)
         mc_seconds, groups, mean_z2 = time_monte_carlo(
-            pass_rates, group_size, moments, args.relative_error, args.mc_budget, generator)
+            pass_rates, group_size, moments, args.relative_error, args.mc_budget, generator
+        )
         mc_column = f"{mc_seconds:.3g}" + (" (est.)" if mean_z2 is None else "")
         z2_column = "-" if mean_z2 is None else f"{mean_z2:.2f}"
         verdict = "PASS" if exact_seconds < TARGET_SECONDS else "FAIL"
-        print(f"{group_size:>3} {exact_seconds:>9.4f} {mc_column:>14} "
-              f"{mc_seconds / exact_seconds:>10.3g} {groups:>10.3g} {z2_column:>9}  {verdict}")
+        print(
+            f"{group_size:>3} {exact_seconds:>9.4f} {mc_column:>14} "
+            f"{mc_seconds / exact_seconds:>10.3g} {groups:>10.3g} {z2_column:>9}  {verdict}"
+        )
 
 
 if __name__ == "__main__":

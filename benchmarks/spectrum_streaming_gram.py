@@ -59,9 +59,16 @@ from grpo_companion.lm.rollouts import sequence_log_probs
 MEMORY_TARGET = 0.1  # streaming / materialised peak memory
 PATHS = ("step", "streaming", "materialised")
 SMOLLM2_SHAPE = {
-    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
 }
 
 
@@ -121,8 +128,11 @@ class Meter:
         self._lap_start()
 
     def lap(self):
-        reading = {"cpu": time.process_time() - self.cpu, "wall": time.perf_counter() - self.wall,
-                   "peak_mib": max(0, memory_kib("VmHWM") - self.rss) / 1024}
+        reading = {
+            "cpu": time.process_time() - self.cpu,
+            "wall": time.perf_counter() - self.wall,
+            "peak_mib": max(0, memory_kib("VmHWM") - self.rss) / 1024,
+        }
         self._lap_start()
         return reading
 
@@ -192,17 +202,31 @@ def child(args):
 
 def run_child(path, args, saved, fixed_malloc):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if fixed_malloc else None
-    command = [sys.executable, __file__, "--child", path, "--saved", str(saved),
-               "--rollouts", str(args.rollouts), "--prompt", str(args.prompt),
-               "--completion", str(args.completion)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        path,
+        "--saved",
+        str(saved),
+        "--rollouts",
+        str(args.rollouts),
+        "--prompt",
+        str(args.prompt),
+        "--completion",
+        str(args.completion),
+    ]
     output = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
 def combined(*parts):
     """Parts run one after another: seconds add, peaks (above the same RSS) are the max."""
-    return {"cpu": sum(p["cpu"] for p in parts), "wall": sum(p["wall"] for p in parts),
-            "peak_mib": max(p["peak_mib"] for p in parts)}
+    return {
+        "cpu": sum(p["cpu"] for p in parts),
+        "wall": sum(p["wall"] for p in parts),
+        "peak_mib": max(p["peak_mib"] for p in parts),
+    }
 
 
 def main():
@@ -227,25 +251,36 @@ def main():
         sized = {path: run_child(path, args, saved, fixed_malloc=True) for path in PATHS}
 
     rows = {  # name: [reading of the time run, reading of the memory run]
-        "materialised: loop rows + svd": [combined(r["rows"], r["svd"]) for r in
-                                          (timed["materialised"], sized["materialised"])],
-        "materialised: loop rows + svdvals": [combined(r["rows"], r["svdvals"]) for r in
-                                              (timed["materialised"], sized["materialised"])],
-        "streaming: score_grams + eigvalsh": [r["streaming"] for r in
-                                              (timed["streaming"], sized["streaming"])],
+        "materialised: loop rows + svd": [
+            combined(r["rows"], r["svd"]) for r in (timed["materialised"], sized["materialised"])
+        ],
+        "materialised: loop rows + svdvals": [
+            combined(r["rows"], r["svdvals"])
+            for r in (timed["materialised"], sized["materialised"])
+        ],
+        "streaming: score_grams + eigvalsh": [
+            r["streaming"] for r in (timed["streaming"], sized["streaming"])
+        ],
         "step: batched forward + backward": [r["batched"] for r in (timed["step"], sized["step"])],
-        "step: one forward + backward per rollout": [r["per_rollout"] for r in
-                                                     (timed["step"], sized["step"])],
+        "step: one forward + backward per rollout": [
+            r["per_rollout"] for r in (timed["step"], sized["step"])
+        ],
     }
     print(f"model: {description}, {parameters / 1e6:.1f}M parameters, float32")
-    print(f"R = {args.rollouts} rollouts of {args.prompt} prompt + {args.completion} completion "
-          f"tokens; 1 thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"M = {args.rollouts} x {parameters} float32 = "
-          f"{args.rollouts * parameters * 4 / 2**30:.2f} GiB")
+    print(
+        f"R = {args.rollouts} rollouts of {args.prompt} prompt + {args.completion} completion "
+        f"tokens; 1 thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print(
+        f"M = {args.rollouts} x {parameters} float32 = "
+        f"{args.rollouts * parameters * 4 / 2**30:.2f} GiB"
+    )
     print(f"{'path':<42} {'CPU s':>7} {'wall s':>7} {'peak MiB':>9} {'(default malloc)':>17}")
     for name, (time_run, memory_run) in rows.items():
-        print(f"{name:<42} {time_run['cpu']:>7.1f} {time_run['wall']:>7.1f} "
-              f"{memory_run['peak_mib']:>9.0f} {time_run['peak_mib']:>17.0f}")
+        print(
+            f"{name:<42} {time_run['cpu']:>7.1f} {time_run['wall']:>7.1f} "
+            f"{memory_run['peak_mib']:>9.0f} {time_run['peak_mib']:>17.0f}"
+        )
 
     reference = torch.tensor(timed["materialised"]["reference_values"], dtype=torch.float64)
     print(f"singular values (float64 Gram of M): {', '.join(f'{s:.6g}' for s in reference)}")
@@ -264,13 +299,17 @@ def main():
     step_time = rows["step: batched forward + backward"][0]
     memory_ratio = stream_memory["peak_mib"] / svd_memory["peak_mib"]
     time_ratio = stream_time["cpu"] / step_time["cpu"]
-    print(f"memory, streaming / materialised (svd): {memory_ratio:.3f}, target < {MEMORY_TARGET}: "
-          f"{'PASS' if memory_ratio < MEMORY_TARGET else 'FAIL'}  "
-          f"(/ svdvals: {stream_memory['peak_mib'] / svdvals_memory['peak_mib']:.3f})")
+    print(
+        f"memory, streaming / materialised (svd): {memory_ratio:.3f}, target < {MEMORY_TARGET}: "
+        f"{'PASS' if memory_ratio < MEMORY_TARGET else 'FAIL'}  "
+        f"(/ svdvals: {stream_memory['peak_mib'] / svdvals_memory['peak_mib']:.3f})"
+    )
     per_rollout_time = rows["step: one forward + backward per rollout"][0]
-    print(f"CPU time, streaming / the batched backward it replaces: {time_ratio:.2f}, "
-          f"target <= 1: {'PASS' if time_ratio <= 1 else 'FAIL'}  (/ the R per-rollout passes: "
-          f"{stream_time['cpu'] / per_rollout_time['cpu']:.2f})")
+    print(
+        f"CPU time, streaming / the batched backward it replaces: {time_ratio:.2f}, "
+        f"target <= 1: {'PASS' if time_ratio <= 1 else 'FAIL'}  (/ the R per-rollout passes: "
+        f"{stream_time['cpu'] / per_rollout_time['cpu']:.2f})"
+    )
     print(f"CPU time, streaming / materialised (svd): {stream_time['cpu'] / svd_time['cpu']:.3f}")
 
 

@@ -54,7 +54,8 @@ def test_toc_lists_every_chapter():
 def test_the_ledger_judges_every_claim_and_cites_its_sources(built):
     project, _, _ = built
     ledger = json.loads((project.build_dir / "results" / "claims.json").read_text())
-    assert len(ledger["claims"]) == 20 and sum(ledger["summary"].values()) == 20
+    claims = len(ledger["claims"])
+    assert claims >= 24 and sum(ledger["summary"].values()) == claims
     assert ledger["profiles"] == ["smoke"]
     page = (project.build_dir / "html" / "book" / "12_report.html").read_text()
     # sphinxcontrib-bibtex resolved each {cite:p} to a link into the References page

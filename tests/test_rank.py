@@ -528,15 +528,32 @@ def test_rank_change_records_slope_times_span_with_interval():
 
     base = {"model": "m", "reward": "binary", "stage": "early", "measure": "entropy", "n": 10}
     t = 2.2621571627409915  # t quantile 0.975, 9 degrees of freedom
-    rows = [
-        {**base, "candidate": "weighted", "group_size": g, "mean": 1 + 0.5 * g,
-         "low": 1 + 0.5 * g - 0.1 * t, "high": 1 + 0.5 * g + 0.1 * t}
-        for g in (2, 4, 8)
-    ] + [
-        {**base, "candidate": "group gradients", "group_size": g, "mean": 3.0, "n": None,
-         "low": None, "high": None}
-        for g in (2, 4, 8)
-    ] + [{**base, "reward": "uniform", "candidate": "weighted", "group_size": 2, "mean": 9.0}]
+    rows = (
+        [
+            {
+                **base,
+                "candidate": "weighted",
+                "group_size": g,
+                "mean": 1 + 0.5 * g,
+                "low": 1 + 0.5 * g - 0.1 * t,
+                "high": 1 + 0.5 * g + 0.1 * t,
+            }
+            for g in (2, 4, 8)
+        ]
+        + [
+            {
+                **base,
+                "candidate": "group gradients",
+                "group_size": g,
+                "mean": 3.0,
+                "n": None,
+                "low": None,
+                "high": None,
+            }
+            for g in (2, 4, 8)
+        ]
+        + [{**base, "reward": "uniform", "candidate": "weighted", "group_size": 2, "mean": 9.0}]
+    )
     records = rank_change_records(pd.DataFrame(rows))["effective_rank_change"]["m"]
     # slope 0.5 per unit of G over a span of 6: a change of 3; each mean has standard error 0.1
     centred = np.array([2, 4, 8]) - 14 / 3

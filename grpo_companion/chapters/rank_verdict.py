@@ -194,7 +194,7 @@ def headline_records(summary: pd.DataFrame) -> dict:
 
 
 def rank_change_records(table: pd.DataFrame, confidence: float = 0.95) -> dict:
-    """"Regardless of R" as a number with an interval: {"effective_rank_change": {model:
+    """ "Regardless of R" as a number with an interval: {"effective_rank_change": {model:
     {candidate: {"mean", "low", "high"}}}}, the least-squares slope of the mean entropy effective
     rank against G (`slope_of_means`, the groups at each G independent of the others) times the
     span of G measured, for binary rewards before training, from a `candidate_table`. The

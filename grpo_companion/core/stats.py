@@ -25,12 +25,16 @@ def metric_by_step(histories: list[list[dict]], metric: str) -> tuple[np.ndarray
     histories: one `trainer.train` history per run (a list of dicts with "step"); the runs
     must have measured the metric at the same steps (the same eval_every and max_steps).
     """
-    steps = [[record["step"] for record in history if record[metric] is not None]
-             for history in histories]
+    steps = [
+        [record["step"] for record in history if record[metric] is not None]
+        for history in histories
+    ]
     if not steps or any(run != steps[0] for run in steps) or not steps[0]:
         raise ValueError(f"the runs measured {metric!r} at different steps (or never): {steps}")
-    values = [[record[metric] for record in history if record[metric] is not None]
-              for history in histories]
+    values = [
+        [record[metric] for record in history if record[metric] is not None]
+        for history in histories
+    ]
     return np.array(steps[0]), np.array(values, dtype=np.float64)
 
 
@@ -57,12 +61,15 @@ def fitted_trend(steps, values, confidence: float = 0.95) -> dict:
     """
     steps, values = np.asarray(steps, dtype=np.float64), np.asarray(values, dtype=np.float64)
     if values.ndim != 2 or values.shape[1] != steps.size or steps.size < 2:
-        raise ValueError(f"need values (num_runs, num_steps = {steps.size} >= 2), "
-                         f"got shape {values.shape}")
+        raise ValueError(
+            f"need values (num_runs, num_steps = {steps.size} >= 2), got shape {values.shape}"
+        )
     centred = steps - steps.mean()
     slopes = (values - values.mean(axis=1, keepdims=True)) @ centred / (centred @ centred)
-    return {"slopes": slopes, **{key: value for key, value in
-                                 mean_interval(slopes, confidence).items() if key != "n"}}
+    return {
+        "slopes": slopes,
+        **{key: value for key, value in mean_interval(slopes, confidence).items() if key != "n"},
+    }
 
 
 def expected_normal_range(n: int) -> float:

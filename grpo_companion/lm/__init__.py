@@ -1,1 +1,1 @@
-"""The language-model testbed: problems and reward, models, rollouts, the trainer, per-example gradients."""
+"""The language-model testbed: problems, reward, models, rollouts, trainer, gradients."""

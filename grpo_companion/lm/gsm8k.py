@@ -278,8 +278,10 @@ def load_gsm8k(
             dataset = _read_jsonl(path / f"{split}.jsonl" if path.is_dir() else path)
         stop = len(dataset) if num_examples is None else skip + num_examples
         if stop > len(dataset) or skip >= len(dataset):
-            raise ValueError(f"skip={skip} and num_examples={num_examples} ask for more than the "
-                             f"{len(dataset)} examples available")
+            raise ValueError(
+                f"skip={skip} and num_examples={num_examples} ask for more than the "
+                f"{len(dataset)} examples available"
+            )
         return dataset if (skip, stop) == (0, len(dataset)) else dataset.select(range(skip, stop))
     n = skip + (num_examples or GSM8K_SIZES[split])
     seed = _derived_seed(seed, source, split)
