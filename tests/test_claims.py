@@ -510,3 +510,22 @@ def test_known_and_missing_values_in_expressions():
     # min and max propagate NaN whatever the order (Python's min(1, nan) is 1)
     for expression in ("min(1, none)", "min(none, 1)", "max(2, none)"):
         assert evaluate_expression(expression, values) != evaluate_expression(expression, values)
+
+
+def test_every_claim_has_a_key_equation_for_the_summary_page():
+    from grpo_companion.machinery.claims import markdown_summary
+
+    assert all(claim.equation and "$" not in claim.equation for claim in CLAIMS)
+    # A `|` would end a table cell, and escaping it inside math turns it into a norm sign.
+    assert not [claim.id for claim in CLAIMS if "|" in claim.equation]
+    row = {
+        "id": "X",
+        "chapter": "05_credit",
+        "equation": r"a^2",
+        "measured": "k",
+        "measured_value": 0.5,
+        "verdict": INCONCLUSIVE,
+    }
+    lines = markdown_summary({"claims": [row, {**row, "equation": ""}]}).splitlines()
+    assert lines[2] == "| **X** ({doc}`05_credit`) | $a^2$ | `k` = 0.5 | **inconclusive** |"
+    assert "| — |" in lines[3]

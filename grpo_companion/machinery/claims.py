@@ -68,6 +68,7 @@ class Claim:
     never_inconclusive: str = ""
     pending: str = ""
     source_value: float | None = None
+    equation: str = ""  # TeX of the claim's key equation, for the one-page summary
     requires: dict = field(default_factory=dict)
     notes: str = ""
     examples: dict = field(default_factory=dict)
@@ -274,6 +275,19 @@ def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
             f"| {_number(row['source_value'])} | {{cite:p}}`{','.join(row['sources'])}` "
             f"| {{doc}}`{row['chapter']}`, figure [{row['figure']}]({figure}) "
             f"| {row['profile']}, {row['model_name'] or 'no model'} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_summary(table: dict) -> str:
+    """One line per claim for the book's one-page summary: the claim, its key equation, the
+    measured value and the verdict (a MyST table; the equation is inline math)."""
+    lines = ["| claim | key equation | measured | verdict |", "|---|---|---|---|"]
+    for row in table["claims"]:
+        equation = f"${row['equation']}$" if row["equation"] else "—"
+        lines.append(
+            f"| **{row['id']}** ({{doc}}`{row['chapter']}`) | {equation} "
+            f"| `{row['measured']}` = {_number(row['measured_value'])} | **{row['verdict']}** |"
         )
     return "\n".join(lines)
 
