@@ -43,6 +43,24 @@ def test_every_chapter_writes_results_and_figures(built):
                 ).stat().st_size > 1000
 
 
+def test_every_results_file_has_a_complete_provenance_record(built):
+    from grpo_companion.machinery.provenance import field_problems
+
+    project, _, _ = built
+    for chapter in project.chapters:
+        record = json.loads(project.results_path(chapter).read_text())["provenance"]
+        assert field_problems(record) == [], chapter
+        assert record["profile"] == "smoke" and record["versions"]["torch"].startswith("2.13.0")
+
+
+def test_the_reader_pages_are_built(built):
+    project, _, _ = built
+    html = project.build_dir / "html" / "book"
+    assert "2605.07689" in (html / "references.html").read_text()
+    assert 'id="term-degenerate-group"' in (html / "glossary.html").read_text()
+    assert "group size" in (html / "notation.html").read_text()
+
+
 def test_toc_lists_every_chapter():
     toc = (ROOT / "_toc.yml").read_text()
     assert [
