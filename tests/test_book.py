@@ -81,10 +81,10 @@ def test_the_ledger_judges_every_claim_and_cites_its_sources(built):
     assert 'href="references.html#' in page
 
 
-def test_the_summary_page_lists_every_claim_with_its_equation_and_verdict(built):
+def test_the_report_summarises_every_claim_with_its_equation_and_verdict(built):
     project, _, _ = built
     ledger = json.loads((project.build_dir / "results" / "claims.json").read_text())
-    page = (project.build_dir / "html" / "book" / "summary.html").read_text()
+    page = (project.build_dir / "html" / "book" / "12_report.html").read_text()
     for row in ledger["claims"]:
         assert row["id"] in page and row["equation"], row["id"]
     assert page.count('class="math notranslate nohighlight"') >= len(ledger["claims"])
