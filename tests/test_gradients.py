@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama_batch import COMPLETION, PROMPT, ROLLOUTS, padded_batch, tiny_llama
 
 from grpo_companion.core.spectra import gram_singular_values
 from grpo_companion.lm.gradients import (
@@ -26,8 +26,6 @@ from grpo_companion.lm.gradients import (
 )
 from grpo_companion.lm.rollouts import sequence_log_probs
 
-VOCAB, PROMPT, COMPLETION, ROLLOUTS = 40, 5, 6, 5
-
 
 def log_pi(model, input_ids, attention_mask, completion_mask, **options):
     """log pi(y_i | x_i), `(N,)`, as `score_rows` and `score_grams` differentiate it."""
@@ -37,39 +35,9 @@ def log_pi(model, input_ids, attention_mask, completion_mask, **options):
     ).sum(dim=1)
 
 
-def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
-    """2 layers, hidden 32; the untied one has biases in attention and MLP."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-        pad_token_id=0,
-        attention_bias=not tie,
-        mlp_bias=not tie,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).double().eval()
-
-
 @pytest.fixture(scope="module")
 def batch():
-    """A group with left padding (rollout 0's prompt is 2 tokens shorter), a completion that
-    ended early (rollout 1: its last 2 tokens are padding, masked out) and a real token equal
-    to the padding id (rollout 3, as SmolLM2's EOS is also its pad token): nn.Embedding gives
-    the padding row no gradient even there."""
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(1, VOCAB, (ROLLOUTS, PROMPT + COMPLETION), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    completion_mask = torch.ones(ROLLOUTS, COMPLETION, dtype=torch.float64)
-    input_ids[0, :2], attention_mask[0, :2] = 0, 0
-    input_ids[1, -2:], attention_mask[1, -2:], completion_mask[1, -2:] = 0, 0, 0
-    input_ids[3, PROMPT + 2] = 0
-    return input_ids, attention_mask, completion_mask
+    return padded_batch()
 
 
 @pytest.fixture(scope="module")
