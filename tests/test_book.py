@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_companion.machinery.pdf import CHROMIUM_FLAGS
 from grpo_companion.machinery.pipeline import Project, execute_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,17 +182,7 @@ def browser(built):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-quic",
-    ):
+    for flag in CHROMIUM_FLAGS:  # the PDF printer's flags: one set for the offline machine
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
