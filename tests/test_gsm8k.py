@@ -19,6 +19,7 @@ from grpo_companion.lm.gsm8k import (
     GSM8KUnavailableError,
     extract_answer,
     gold_answer,
+    load_arithmetic_chains,
     load_gsm8k,
     reward,
 )
@@ -409,3 +410,54 @@ def test_hub_real_gsm8k():
     assert (len(train), len(test)) == (7473, 1319)
     assert test.features == FEATURES
     assert all(reward(a, gold_answer(a)) == 1.0 for a in test["answer"])
+
+
+# ---------------------------------------------------------------- chain problems
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 4])
+def test_arithmetic_chains_have_one_worked_line_per_step(num_steps):
+    ops = {"+": operator.add, "-": operator.sub}
+    train = load_arithmetic_chains("train", num_steps, 200, seed=1)
+    test = load_arithmetic_chains("test", num_steps, 50, seed=1)
+    assert train.features == FEATURES and (len(train), len(test)) == (200, 50)
+    assert load_arithmetic_chains("train", num_steps, 200, seed=1)[:] == train[:]
+    assert not set(train["question"]) & set(test["question"])  # splits are disjoint
+    assert len(set(train["question"])) == 200
+    for row in train:
+        *steps, final = row["answer"].split("\n")
+        assert len(steps) == num_steps
+        start = re.match(r"[A-Z][a-z]+ has (\d+) ", row["question"]).group(1)
+        previous = start
+        for step in steps:
+            x, op, y, result = re.fullmatch(r"(\d+)([-+])(\d+)=(\d+)", step).groups()
+            assert x == previous and ops[op](int(x), int(y)) == int(result)
+            previous = result
+        assert final == f"#### {previous}"
+        numbers = [int(n) for n in re.findall(r"\d+", row["question"] + row["answer"])]
+        assert all(0 <= n <= 99 for n in numbers)
+        assert row["question"].endswith(" have now?")
+        assert reward(row["answer"], gold_answer(row["answer"])) == 1.0
+
+
+def test_arithmetic_chains_speak_the_warm_starts_words():
+    """Every word of a chain question is a word of the "arithmetic" source's questions, on which
+    the tiny Llama's word-level vocabulary was built."""
+    known = {
+        word
+        for question in load_gsm8k("train", "arithmetic", num_examples=2000, seed=0)["question"]
+        for word in re.findall(r"[A-Za-z]+", question)
+    }
+    for num_steps in (1, 2, 3, 4):
+        for question in load_arithmetic_chains("train", num_steps, 100, seed=0)["question"]:
+            assert set(re.findall(r"[A-Za-z]+", question)) <= known, question
+    question = load_arithmetic_chains("test", 3, 1, seed=0)["question"][0]
+    assert re.fullmatch(
+        r"\w+ has \d+ \w+\. \w+ [^,]+, [^,]+, and then [^,]+\. How many .*", question
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_arithmetic_chains_need_at_least_one_step(bad):
+    with pytest.raises(ValueError, match="num_steps must be an int >= 1"):
+        load_arithmetic_chains("train", bad, 10)

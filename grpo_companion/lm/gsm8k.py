@@ -83,6 +83,16 @@ def extract_answer(text: str, mode: str = "strict") -> str | None:
     return _normalise(dash + match.group()[::-1])
 
 
+def answer_span(text: str) -> tuple[int, int] | None:
+    """Start and end of the line that holds the strict answer (the first "#### N"), or None."""
+    match = _STRICT.search(text)
+    if match is None:
+        return None
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return start, len(text) if end < 0 else end
+
+
 def gold_answer(answer_field: str) -> str:
     """The normalised number after the last "#### " of a GSM8K answer; ValueError if none."""
     _, sep, tail = answer_field.rpartition("#### ")
@@ -163,6 +173,66 @@ def _arithmetic_problems(rng: random.Random):
             question = story.format(n=name, P=pronoun.capitalize(), x=thing, **values)
             question += f" How many {thing} does {ask}?"
             yield question, "\n".join(lines) + f"\n#### {total}"
+
+
+# Chain problems (`load_arithmetic_chains`): one clause per step, in the warm start's words so
+# that every word is in the tiny Llama's vocabulary.
+_ADD_CLAUSES = ("gets {y} more", "buys {y} more", "finds {y} more")
+_SUBTRACT_CLAUSES = ("loses {y}", "gives {y} away", "gives {y} to a friend")
+
+
+def _chain_problems(rng: random.Random, num_steps: int):
+    """Endless problems of `num_steps` additions and subtractions on a running total.
+
+    The numbers are drawn as `_arithmetic_problems` draws them (a start in 2..20, steps of
+    1..20); a step that would leave 0..99 is drawn again, so every step is valid.
+    """
+    while True:
+        name, thing = rng.choice(list(_PEOPLE)), rng.choice(_THINGS)
+        total, lines, clauses = rng.randint(2, 20), [], []
+        start = total
+        for _ in range(num_steps):
+            op, y = rng.choice("+-"), rng.randint(1, 20)
+            while not 0 <= _OPS[op](total, y) <= 99:
+                op, y = rng.choice("+-"), rng.randint(1, 20)
+            lines.append(f"{total}{op}{y}={_OPS[op](total, y)}")
+            total = _OPS[op](total, y)
+            clauses.append(rng.choice(_ADD_CLAUSES if op == "+" else _SUBTRACT_CLAUSES).format(y=y))
+        if num_steps == 1:
+            story = clauses[0]
+        elif num_steps == 2:
+            story = f"{clauses[0]} and then {clauses[1]}"
+        else:
+            story = ", ".join(clauses[:-1]) + f", and then {clauses[-1]}"
+        pronoun = _PEOPLE[name]
+        question = (
+            f"{name} has {start} {thing}. {pronoun.capitalize()} {story}. "
+            f"How many {thing} does {pronoun} have now?"
+        )
+        yield question, "\n".join(lines) + f"\n#### {total}"
+
+
+def load_arithmetic_chains(
+    split: str, num_steps: int, num_examples: int, seed: int = 0
+) -> datasets.Dataset:
+    """Word problems of exactly `num_steps` steps, GSM8K's schema, one worked line per step.
+
+    "Tom has 12 apples. He gets 5 more, loses 3, and then buys 4 more. How many apples does he
+    have now?" with the answer "12+5=17\n17-3=14\n14+4=18\n#### 18": each step adds or
+    subtracts 1..20, every number lies in 0..99, and the words are those of the "arithmetic"
+    source (`load_gsm8k`), on which the tiny Llama was warm-started. Train and test never share
+    a question, for any seed (the same split rule as the other generated sources).
+    """
+    if type(num_steps) is not int or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if type(num_examples) is not int or num_examples <= 0:
+        raise ValueError(f"num_examples must be a positive int, got {num_examples!r}")
+    source = f"arithmetic_chains/{num_steps}"
+    problems = _chain_problems(random.Random(_derived_seed(seed, source, split)), num_steps)
+    candidates = (next(problems) for _ in range(20 * num_examples + 1000))
+    return _take_distinct(candidates, split, num_examples, source)
 
 
 def _symbolic_problems(seed: int, cap: int):
