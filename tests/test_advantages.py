@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_companion.core.advantages import METHODS, group_advantages
+from grpo_companion.core.advantages import METHODS, group_advantages, process_advantages
 
 
 @st.composite
@@ -318,3 +318,58 @@ def test_kl_in_reward_subtracts_before_the_baseline():
     torch.testing.assert_close(
         group_advantages(shaped, "dr_grpo"), torch.tensor([[0.35, -0.35]], dtype=torch.float64)
     )
+
+
+# --- process supervision: per-step rewards, per-token advantages ------------------------------
+
+
+@given(reward_batches(), st.integers(1, 6))
+@settings(max_examples=50, deadline=None)
+def test_process_advantages_with_only_the_outcome_are_group_advantages(rewards, seq_len):
+    """One step per completion, at its last token: every token gets group_advantages(rewards)."""
+    num_groups, group_size = rewards.shape
+    advantages = process_advantages(
+        rewards[..., None],
+        torch.full((num_groups, group_size, 1), seq_len - 1),
+        torch.ones(num_groups, group_size, 1, dtype=torch.bool),
+        seq_len,
+    )
+    expected = group_advantages(rewards).flatten()[:, None].expand(-1, seq_len)
+    assert torch.equal(advantages, expected)
+
+
+def test_process_advantages_hand_computed():
+    """One group of two completions with two steps each, one more masked; rewards 1, 0 | 1, 1
+    have mean 3/4 and Bessel std 1/2, so they normalise to 1/2, -3/2 | 1/2, 1/2 (eps = 0). A
+    token's advantage sums the steps that end at or after it; past the last step it is 0."""
+    rewards = torch.tensor([[[1.0, 0.0, 7.0], [1.0, 1.0, 7.0]]], dtype=torch.float64)
+    ends = torch.tensor([[[1, 3, 0], [0, 4, 4]]])
+    mask = torch.tensor([[[True, True, False], [True, True, False]]])
+    advantages = process_advantages(rewards, ends, mask, seq_len=6, eps=0.0)
+    expected = [[-1.0, -1.0, -1.5, -1.5, 0.0, 0.0], [1.0, 0.5, 0.5, 0.5, 0.5, 0.0]]
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float64))
+    # Two steps that end at one token add up there.
+    same_end = process_advantages(rewards, torch.ones_like(ends), mask, seq_len=2, eps=0.0)
+    torch.testing.assert_close(
+        same_end, torch.tensor([[-1.0, -1.0], [1.0, 1.0]], dtype=rewards.dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda r, e, m: (r[0], e[0], m[0]), "must be floating point"),
+        (lambda r, e, m: (r, e[..., :1], m), "must have the shape of step_rewards"),
+        (lambda r, e, m: (r, e + 6, m), r"step_ends must lie in \[0, seq_len = 6\)"),
+        (
+            lambda r, e, m: (r, e, m & torch.tensor([[True, False], [False, False]])),
+            r"steps per group: \[1\]",
+        ),
+        (lambda r, e, m: (r * float("nan"), e, m), "must be finite"),
+    ],
+)
+def test_process_advantages_errors(change, match):
+    rewards, ends, mask = torch.zeros(1, 2, 2), torch.zeros(1, 2, 2, dtype=torch.long), None
+    mask = torch.ones(1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=match):
+        process_advantages(*change(rewards, ends, mask), seq_len=6)

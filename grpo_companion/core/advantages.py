@@ -47,9 +47,10 @@ gpg: ``compute_gpg_outcome_advantage``; Chu et al., *GPG: A Simple and Strong Re
 Both "reinforce_plus_plus_baseline" and "gpg" couple the groups of a batch (`BATCH_METHODS`).
 
 Sibling functions cover the estimators that need more than the (B, G) rewards:
-`opo_advantages` (lengths), `remax_advantages` (the greedy completion's reward),
-`reinforce_plus_plus_advantages` (token-level rewards), `optimal_token_baseline_advantages`
-(token probabilities), and `kl_in_reward` (verl's ``use_kl_in_reward``).
+`process_advantages` (step rewards: process supervision), `opo_advantages` (lengths),
+`remax_advantages` (the greedy completion's reward), `reinforce_plus_plus_advantages`
+(token-level rewards), `optimal_token_baseline_advantages` (token probabilities), and
+`kl_in_reward` (verl's ``use_kl_in_reward``).
 """
 
 import torch
@@ -155,6 +156,74 @@ def group_advantages(
     else:
         std = rewards.std(correction=correction)
     return centered / (std + eps)
+
+
+def process_advantages(
+    step_rewards: Tensor, step_ends: Tensor, step_mask: Tensor, seq_len: int, eps: float = 1e-4
+) -> Tensor:
+    """Token advantages of process supervision (DeepSeekMath's GRPO, Shao et al. 2024, 4.1.3).
+
+    Each completion i of a group has steps j with rewards r_ij, step j ending at token
+    end_ij. Every step reward of the group is normalised with the mean and std of all the
+    group's step rewards, r~_ij = (r_ij - mean) / (std + eps) (Bessel std plus eps, as
+    `group_advantages`' "grpo"), and a token's advantage is the sum of the normalised rewards
+    of the steps that end at or after it: A_it = sum over j with end_ij >= t of r~_ij. With one
+    step per completion ending at its last token this is `group_advantages(rewards)` on every
+    token; tokens after a completion's last step get 0.
+
+    Args:
+        step_rewards: (num_groups, group_size, num_steps) floating point.
+        step_ends: (num_groups, group_size, num_steps) int, token index in [0, seq_len).
+        step_mask: (num_groups, group_size, num_steps) bool, True on the steps present; a group
+            needs at least two.
+        seq_len: T, the completions' width.
+
+    Returns:
+        advantages: (num_groups * group_size, seq_len), rollouts prompt-major as in
+        `group_advantages(...).flatten()`.
+    """
+    if step_rewards.dim() != 3 or not step_rewards.is_floating_point():
+        raise ValueError(
+            "step_rewards must be floating point (num_groups, group_size, num_steps), got "
+            f"{step_rewards.dtype} of shape {tuple(step_rewards.shape)}"
+        )
+    if step_ends.shape != step_rewards.shape or step_mask.shape != step_rewards.shape:
+        raise ValueError(
+            f"step_ends and step_mask must have the shape of step_rewards "
+            f"{tuple(step_rewards.shape)}, got {tuple(step_ends.shape)} and "
+            f"{tuple(step_mask.shape)}"
+        )
+    step_mask = step_mask.bool()
+    if not torch.isfinite(step_rewards[step_mask]).all():
+        raise ValueError("step rewards must be finite, got NaN or infinite values")
+    ends = step_ends[step_mask]
+    if ends.numel() and (ends.min() < 0 or ends.max() >= seq_len):
+        raise ValueError(f"step_ends must lie in [0, seq_len = {seq_len}), got {ends.tolist()}")
+    counts = step_mask.flatten(1).sum(1).tolist()
+    if min(counts) < 2:
+        raise ValueError(f"a group needs two steps for a std; steps per group: {counts}")
+    normalised = torch.zeros_like(step_rewards)
+    # Rows of the groups' present rewards, normalised as group_advantages normalises its rows
+    # (same operations on the same shape: one step per completion rounds exactly alike).
+    if len(set(counts)) == 1:
+        rows = [step_rewards[step_mask].view(len(counts), counts[0])]
+    else:
+        rows = [rewards[mask].unsqueeze(0) for rewards, mask in zip(step_rewards, step_mask)]
+    normalised_rows = [
+        (row - row.mean(dim=1, keepdim=True)) / (row.std(dim=1, keepdim=True) + eps) for row in rows
+    ]
+    normalised[step_mask] = torch.cat([row.flatten() for row in normalised_rows])
+    num_rollouts = step_rewards.shape[0] * step_rewards.shape[1]
+    at_ends = torch.zeros(
+        num_rollouts, seq_len, dtype=step_rewards.dtype, device=step_rewards.device
+    )
+    at_ends.scatter_add_(
+        1,
+        step_ends.reshape(num_rollouts, -1).clamp(0, seq_len - 1),
+        normalised.reshape(num_rollouts, -1),  # 0 on masked steps
+    )
+    # Sum over the steps that end at or after t: a cumulative sum from the right.
+    return at_ends.flip(1).cumsum(1).flip(1)
 
 
 def _passk_advantages(rewards: Tensor, scale_rewards: str, eps: float) -> Tensor:
