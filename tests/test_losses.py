@@ -279,7 +279,11 @@ M = torch.ones(2, 3)
             lambda: clipped_surrogate(LP, LP, torch.zeros(3)),
             r"advantages must have shape \(batch,\) = \(2,\).*\(3,\)",
         ),
-        (lambda: clipped_surrogate(LP, LP, torch.zeros(2, 3)), r"advantages must have shape"),
+        (lambda: clipped_surrogate(LP, LP, torch.zeros(2, 4)), r"advantages must have shape"),
+        (
+            lambda: clipped_surrogate(LP, LP, M, mask=M, importance_sampling_level="sequence"),
+            r"'sequence' \(GSPO\) has one ratio per sequence.*per-token advantages \(2, 3\)",
+        ),
         (lambda: clipped_surrogate(torch.zeros(3), torch.zeros(3), ADV), r"log_probs must be 2-D"),
         (
             lambda: kl_penalty(LP, torch.zeros(3, 2)),
@@ -515,3 +519,47 @@ def test_allow_empty_rows_count_in_the_batch():
     assert aggregate(per_token_loss, mask, "grpo", allow_empty=True).item() == pytest.approx(
         (6 / 3 + 11 / 2) / 3
     )
+
+
+# --- per-token advantages (process supervision) -----------------------------------------------
+
+
+def _loss_and_gradient(advantages, loss_type, **options):
+    generator = torch.Generator().manual_seed(11)
+    log_probs = (torch.randn(4, 5, dtype=F64, generator=generator) - 1).requires_grad_()
+    old_log_probs = log_probs.detach() + 0.3 * torch.randn(4, 5, dtype=F64, generator=generator)
+    ref_log_probs = log_probs.detach() + 0.2 * torch.randn(4, 5, dtype=F64, generator=generator)
+    loss, stats = grpo_loss(
+        log_probs, old_log_probs, ref_log_probs, advantages, _mask([5, 3, 1, 4], 5),
+        loss_type=loss_type, alpha=0.5, beta=0.05, **options,
+    )  # fmt: skip
+    return loss, torch.autograd.grad(loss, log_probs)[0], stats
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"delta": 1.5, "epsilon_high": 0.28, "off_policy_mask_threshold": 0.05}],
+)
+def test_advantages_broadcast_over_the_tokens_give_the_same_loss_and_gradient(loss_type, options):
+    advantages = torch.tensor([1.2, -0.7, 0.0, -1.5], dtype=F64)
+    per_sequence = _loss_and_gradient(advantages, loss_type, **options)
+    per_token = _loss_and_gradient(advantages[:, None].expand(4, 5), loss_type, **options)
+    assert per_token[0].item() == per_sequence[0].item()
+    assert torch.equal(per_token[1], per_sequence[1])
+    assert per_token[2] == per_sequence[2]
+
+
+def test_per_token_advantages_clip_and_weigh_each_token_by_its_own_advantage():
+    """-min(rho A_t, clip(rho) A_t) token by token: a token is clipped by its own sign."""
+    log_probs = torch.log(torch.tensor([[1.5, 1.5, 0.5], [1.0, 0.5, 1.5]], dtype=F64))
+    log_probs.requires_grad_()
+    advantages = torch.tensor([[1.0, -2.0, -1.0], [0.5, 2.0, 0.0]], dtype=F64)
+    per_token, is_clipped = clipped_surrogate(log_probs, torch.zeros(2, 3, dtype=F64), advantages)
+    expected = [[-1.2, 3.0, 0.8], [-0.5, -1.0, 0.0]]
+    torch.testing.assert_close(per_token, torch.tensor(expected, dtype=F64), rtol=0, atol=1e-12)
+    assert is_clipped.tolist() == [[True, False, True], [False, False, False]]
+    (grad,) = torch.autograd.grad(per_token.sum(), log_probs)
+    # d/dlog pi of -rho A is -rho A where the unclipped term is the minimum, else 0.
+    expected_grad = [[0.0, 3.0, 0.0], [-0.5, -1.0, 0.0]]
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=F64), rtol=0, atol=1e-12)

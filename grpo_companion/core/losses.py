@@ -7,8 +7,11 @@ rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t) and the per-token loss is
            + beta * KL_it(pi || pi_ref)
 
 where A_i is the sequence's advantage (see ``advantages.py``) and KL_it is a
-per-token sample estimate of the KL divergence. ``aggregate`` then reduces the
-(batch, seq_len) tensor to a scalar; the choice of normaliser (``loss_type``)
+per-token sample estimate of the KL divergence. Every loss also takes per-token advantages A_it,
+shape (batch, seq_len) instead of (batch,), as process supervision gives them
+(``advantages.process_advantages``); A_i broadcast over the tokens gives the same loss and
+gradient as A_i itself. (TRL's trainer has per-sequence advantages only.) ``aggregate`` then
+reduces the (batch, seq_len) tensor to a scalar; the choice of normaliser (``loss_type``)
 decides how much each token weighs:
 
     loss_type     normaliser                               verl loss_agg_mode
@@ -99,7 +102,9 @@ def clipped_surrogate(
             sampled tokens. pi_old is a constant of the objective, so
             ``old_log_probs`` is detached: passing ``log_probs`` itself (TRL with
             ``num_iterations=1``) still gives the policy gradient.
-        advantages: (batch,), broadcast over the tokens of each sequence.
+        advantages: (batch,), broadcast over the tokens of each sequence, or (batch, seq_len),
+            one per token (not with importance_sampling_level "sequence", see
+            `_check_policy_inputs`).
         epsilon, epsilon_high: clip the ratio to [1 - epsilon, 1 + epsilon_high];
             epsilon_high defaults to epsilon (TRL), DAPO's "clip-higher" raises it.
         delta: TRL's two-sided clipping: the unclipped ratio is capped at ``delta``, so that
@@ -120,15 +125,15 @@ def clipped_surrogate(
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon} and {epsilon_high}")
     if delta is not None and delta <= 1:
         raise ValueError(f"delta must be > 1, got {delta}")
-    _check_policy_inputs(log_probs, old_log_probs, advantages)
+    _check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
     ratio = torch.exp(
         log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
     )
-    advantages = advantages.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
+    column = _as_columns(advantages)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * column
     capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token_loss = -torch.minimum(capped * advantages, clipped)
-    low, high = clip_regions(ratio, advantages.squeeze(1), epsilon, epsilon_high)
+    per_token_loss = -torch.minimum(capped * column, clipped)
+    low, high = clip_regions(ratio, advantages, epsilon, epsilon_high)
     return per_token_loss.expand_as(log_probs), (low | high).expand_as(log_probs)
 
 
@@ -136,8 +141,8 @@ def clip_regions(
     ratio: Tensor, advantages: Tensor, epsilon: float, epsilon_high: float
 ) -> tuple[Tensor, Tensor]:
     """TRL's clipped tokens, low (rho < 1 - epsilon, A < 0) and high (rho > 1 + epsilon_high,
-    A > 0): ratio (batch, seq_len) or (batch, 1), advantages (batch,)."""
-    advantages = advantages.unsqueeze(1)
+    A > 0): ratio (batch, seq_len) or (batch, 1), advantages (batch,) or (batch, seq_len)."""
+    advantages = _as_columns(advantages)
     return (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
@@ -181,11 +186,11 @@ def policy_loss(
             delta=delta, mask=mask, importance_sampling_level=importance_sampling_level,
         )  # fmt: skip
         return per_token_loss
-    _check_policy_inputs(log_probs, old_log_probs, advantages)
+    _check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
     ratio = torch.exp(log_ratio)
-    column = advantages.unsqueeze(1)
+    column = _as_columns(advantages)  # with per-token advantages, each token's sign decides
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * column * log_probs
     elif loss_type == "sapo":
@@ -214,11 +219,12 @@ def off_policy_sequence_mask(
 ) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): (batch, 1),
     0 for a sequence with A_i < 0 whose mean token log(pi_old / pi) exceeds ``threshold``
-    (a negative sample the policy has already moved away from), else 1."""
+    (a negative sample the policy has already moved away from), else 1. With per-token
+    advantages (batch, seq_len) the mask is per token: the negative tokens of such a sequence."""
     mask = mask.to(log_probs.dtype)
     drift = (old_log_probs - log_probs.detach()).nan_to_num(nan=0.0)
     mean_drift = (drift * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
-    keep = (advantages.unsqueeze(1) >= 0) | (mean_drift <= threshold)
+    keep = (_as_columns(advantages) >= 0) | (mean_drift <= threshold)
     return keep.to(log_probs.dtype)
 
 
@@ -360,7 +366,8 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss: the policy term of ``loss_type`` plus beta * KL, reduced by ``loss_type``.
 
-    log_probs, old_log_probs, mask: (batch, seq_len); advantages: (batch,).
+    log_probs, old_log_probs, mask: (batch, seq_len); advantages: (batch,) or (batch, seq_len)
+    (per token, e.g. process supervision's).
     ref_log_probs: (batch, seq_len), or None when beta == 0 (TRL's default since
     DAPO and Dr. GRPO dropped the KL term). ``alpha`` is for "length_alpha"
     only; this argument is not in TRL, which has no such loss_type.
@@ -424,17 +431,34 @@ def grpo_loss(
     return loss, stats
 
 
-def _check_policy_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor) -> None:
+def _check_policy_inputs(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, level: str = "token"
+) -> None:
     if log_probs.dim() != 2:
         raise ValueError(
             f"log_probs must be 2-D (batch, seq_len), got shape {tuple(log_probs.shape)}"
         )
     _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
-    if advantages.shape != log_probs.shape[:1]:
+    if advantages.shape not in (log_probs.shape[:1], log_probs.shape):
         raise ValueError(
-            f"advantages must have shape (batch,) = {tuple(log_probs.shape[:1])}, "
-            f"got {tuple(advantages.shape)}"
+            f"advantages must have shape (batch,) = {tuple(log_probs.shape[:1])} or (batch, "
+            f"seq_len) = {tuple(log_probs.shape)}, got {tuple(advantages.shape)}"
         )
+    if advantages.dim() == 2 and level == "sequence":
+        # GSPO's ratio belongs to the whole sequence: with A_it its clipped term
+        # min(s_i A_it, clip(s_i) A_it) would weight one ratio's gradient by the mean advantage,
+        # which is neither GSPO nor a per-token policy gradient.
+        raise ValueError(
+            "importance_sampling_level 'sequence' (GSPO) has one ratio per sequence and needs "
+            "one advantage per sequence, (batch,); got per-token advantages "
+            f"{tuple(advantages.shape)}"
+        )
+
+
+def _as_columns(advantages: Tensor) -> Tensor:
+    """(batch, 1) from per-sequence advantages (batch,); per-token ones (batch, seq_len) as they
+    are: either broadcasts against (batch, seq_len)."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 
 def _check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
