@@ -3,14 +3,20 @@ import json
 import math
 from dataclasses import replace
 
+import datasets
 import pytest
 import torch
 
-from grpo_companion.core.advantages import degenerate_fractions, group_advantages
+from grpo_companion.core.advantages import (
+    degenerate_fractions,
+    group_advantages,
+    process_advantages,
+)
 from grpo_companion.lm import trainer
-from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
 from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts
+from grpo_companion.lm.steps import rollout_step_rewards
 from grpo_companion.lm.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
 
 CONFIG = GRPOConfig(
@@ -204,9 +210,10 @@ def test_same_seed_same_history(initial, data):
     assert other != runs[0][0]
 
 
-def test_resume_repeats_an_uninterrupted_run(initial, data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("credit", ["outcome", "process"])
+def test_resume_repeats_an_uninterrupted_run(initial, data, tmp_path, monkeypatch, credit):
     config = replace(
-        CONFIG, beta=0.1, num_iterations=2, save_steps=1
+        CONFIG, beta=0.1, num_iterations=2, save_steps=1, credit=credit
     )  # reference, optimizer state, pi_old
     uninterrupted = copy.deepcopy(initial[0])
     expected = _train((uninterrupted, initial[1]), data, config, checkpoint_dir=tmp_path / "a")
@@ -214,10 +221,10 @@ def test_resume_repeats_an_uninterrupted_run(initial, data, tmp_path, monkeypatc
     # Step 3 dies half-way: the checkpoint of step 2 must survive it.
     grpo_step = trainer.grpo_step
 
-    def dies_at_step_3(*args):
+    def dies_at_step_3(*args, **kwargs):
         if args[-2] == 3:
             raise KeyboardInterrupt
-        return grpo_step(*args)
+        return grpo_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "grpo_step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
@@ -392,3 +399,70 @@ def test_config_is_checked():
         GRPOConfig(loss_type="mean")
     with pytest.raises(ValueError, match="num_generations"):
         GRPOConfig(num_generations=1)
+
+
+# --- credit="process": step-level credit ----------------------------------------------------
+
+
+def test_process_credit_trains_on_per_token_advantages(initial, data):
+    """At ratio 1 the "grpo" loss is -1/N sum_i 1/L_i sum_t A_it, with A_it from the step
+    rewards of the rollouts (`steps.rollout_step_rewards`, `process_advantages`)."""
+    config = replace(CONFIG, max_steps=1, credit="process")
+    trained = copy.deepcopy(initial[0])
+    history = _train((trained, initial[1]), data, config)
+    record = history[1]
+    assert tuple(record) == METRICS and math.isfinite(record["loss"])
+    rollouts = _step_one_rollouts(initial, data, config)
+    rows = batch_indices(1, len(data[0]), config.per_step_prompts, config.seed)
+    answers = [data[0]["answer"][i] for i in rows]
+    step_values = rollout_step_rewards(initial[1], rollouts, answers)
+    assert step_values[2].sum(-1).min() >= 3  # the references have 2 or 3 worked lines
+    advantages = process_advantages(*step_values, rollouts.completion_ids.shape[1])
+    mask = rollouts.completion_mask
+    expected = -((advantages * mask).sum(1) / mask.sum(1)).mean()
+    assert record["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    outcome = copy.deepcopy(initial[0])
+    assert _train((outcome, initial[1]), data, replace(config, credit="outcome"))[1] != record
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), outcome.parameters()))
+
+
+def test_process_credit_without_worked_steps_is_outcome_credit(initial, data):
+    """References with no worked lines leave only the outcome step, on each completion's last
+    token: the per-token advantages are the outcome advantages broadcast, the same run."""
+    bare = [
+        datasets.Dataset.from_dict(
+            {
+                "question": split["question"],
+                "answer": [f"#### {gold_answer(answer)}" for answer in split["answer"]],
+            }
+        )
+        for split in data
+    ]
+    runs = {}
+    for credit in ("outcome", "process"):
+        model = copy.deepcopy(initial[0])
+        runs[credit] = (_train((model, initial[1]), bare, replace(CONFIG, credit=credit)), model)
+    assert runs["process"][0] == runs["outcome"][0]
+    for a, b in zip(runs["process"][1].parameters(), runs["outcome"][1].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_process_credit_refuses_what_it_does_not_define(initial, data):
+    with pytest.raises(ValueError, match="credit must be one of"):
+        GRPOConfig(credit="token")
+    for change in (
+        {"filter_degenerate": True},
+        {"method": "rloo"},
+        {"scale_rewards": "batch"},
+        {"importance_sampling_level": "sequence"},
+    ):
+        with pytest.raises(ValueError, match=f"credit='process' needs.*{next(iter(change))}="):
+            GRPOConfig(credit="process", **change)
+    model, tokenizer = copy.deepcopy(initial[0]), initial[1]
+    config = replace(CONFIG, credit="process")
+    reference, optimizer = trainer.reference_and_optimizer(model, config)
+    prompts, golds = build_prompts(tokenizer, data[0])
+    with pytest.raises(ValueError, match="needs the answers"):
+        trainer.grpo_step(
+            model, tokenizer, reference, optimizer, prompts, golds, config, 1, has_digit
+        )

@@ -5,7 +5,9 @@ One step of `train`, for a policy pi_theta and B = ``per_step_prompts`` prompts:
     1. sample:      G = ``num_generations`` completions per prompt from pi_theta, which is
                     pi_old for this step (``rollouts.generate_rollouts``), and their rewards;
     2. advantages:  A_i from the rewards of the completion's own group
-                    (``advantages.group_advantages``), one scalar per completion;
+                    (``advantages.group_advantages``), one scalar per completion; or, with
+                    ``credit="process"``, one per token from the correctness of each worked
+                    step (``steps.rollout_step_rewards``, ``advantages.process_advantages``);
     3. filter:      optionally drop the groups whose rewards are all equal (DAPO's dynamic
                     sampling without the resampling): their advantages are 0 anyway, but they
                     still count in the loss's normaliser;
@@ -28,6 +30,12 @@ token mean, averaged over the micro-batches, so there ``micro_batch_size`` chang
 whenever the micro-batches hold different numbers of tokens.
 ``rollout_batch_size`` is the same for sampling; it changes which random numbers each
 completion draws (not their distribution), so it is part of what a seed reproduces.
+
+``credit="process"`` is not in TRL, whose advantages are one per sequence: it is DeepSeekMath's
+process supervision (Shao et al. 2024, sec. 4.1.3), each step of the reference solution
+rewarded where the completion writes it, the group's step rewards normalised together, and a
+token's advantage the sum of those of the steps that end at or after it. It needs the training
+problems' answer fields (`train` passes them to `grpo_step`).
 
 The one default that differs from TRL 1.16: ``use_bias_correction_kl`` is False here, True in
 TRL. It changes the gradient only when beta > 0 (chapter 11 by default) and then only off-policy
@@ -58,6 +66,7 @@ from grpo_companion.core.advantages import (
     SCALE_REWARDS,
     SCALE_REWARDS_ALIASES,
     group_advantages,
+    process_advantages,
     zero_std_groups,
 )
 from grpo_companion.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, grpo_loss
@@ -65,6 +74,7 @@ from grpo_companion.lm import gsm8k
 from grpo_companion.lm.checkpoint import load_checkpoint, save_checkpoint
 from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts, greedy_accuracy, sequence_log_probs
+from grpo_companion.lm.steps import rollout_step_rewards
 from grpo_companion.lm.trainer_metrics import captured_logits, mean_entropy, rollout_metrics
 
 # What every history record holds; None where a value was not measured at that step. The names
@@ -93,6 +103,7 @@ METRICS = (
     "eval_accuracy",
 )
 CHECKPOINT = "checkpoint.pt"
+CREDITS = ("outcome", "process")  # one advantage per completion; per token from the steps
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ class GRPOConfig:
     scale_rewards: str | bool = "group"  # TRL's True / False mean "group" / "none"
     filter_degenerate: bool = False  # drop zero-std groups from the loss (DAPO)
     mask_truncated_completions: bool = False  # truncated completions out of the loss (DAPO)
+    credit: str = "outcome"  # or "process": step-level credit (not in TRL; module docstring)
     # Loss (losses.py)
     loss_type: str = "grpo"
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
@@ -149,6 +161,7 @@ class GRPOConfig:
             ("scale_rewards", SCALE_REWARDS),
             ("loss_type", LOSS_TYPES),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+            ("credit", CREDITS),
         ]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -168,6 +181,17 @@ class GRPOConfig:
             raise ValueError(f"a group needs num_generations >= 2, got {self.num_generations}")
         if self.save_steps < 0 or self.beta < 0 or self.temperature <= 0:
             raise ValueError("save_steps and beta must be >= 0 and temperature > 0")
+        process_settings = {"method": "grpo", "scale_rewards": "group", "filter_degenerate": False,
+                            "importance_sampling_level": "token"}  # fmt: skip
+        changed = [name for name, value in process_settings.items() if getattr(self, name) != value]
+        if self.credit == "process" and changed:
+            # Process credit normalises step rewards as "grpo" does rewards; a group whose
+            # outcomes agree can have mixed steps (what would filter_degenerate drop?); GSPO has
+            # one ratio per sequence, the advantages here are per token.
+            raise ValueError(
+                f"credit='process' needs {process_settings}; got "
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in changed)
+            )
 
 
 def batch_indices(step: int, num_examples: int, per_step_prompts: int, seed: int) -> list[int]:
@@ -227,6 +251,7 @@ def train(
         when beta > 0. JSON-ready; ``pandas.DataFrame(history)`` makes a table of it.
     """
     prompts, golds = build_prompts(tokenizer, train_data)
+    answers = list(train_data["answer"])  # the worked solutions, for credit="process"
     eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
 
     def evaluate() -> float:
@@ -256,8 +281,9 @@ def train(
     )
     for step in steps:
         record = grpo_step(
-            model, tokenizer, reference, optimizer, prompts, golds, config, step, reward_fn
-        )
+            model, tokenizer, reference, optimizer, prompts, golds, config, step, reward_fn,
+            answers=answers,
+        )  # fmt: skip
         record["num_tokens"] += history[-1]["num_tokens"] or 0  # TRL's count is cumulative
         if step % config.eval_every == 0 or step == config.max_steps:
             record["eval_accuracy"] = evaluate()
@@ -288,9 +314,13 @@ def reference_and_optimizer(model, config: GRPOConfig):
 
 
 def grpo_step(
-    model, tokenizer, reference, optimizer, prompts, golds, config: GRPOConfig, step: int, reward_fn
-) -> dict:
-    """Sample, score and learn from one batch of rollouts; returns the step's record."""
+    model, tokenizer, reference, optimizer, prompts, golds, config: GRPOConfig, step: int,
+    reward_fn, *, answers: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """Sample, score and learn from one batch of rollouts; returns the step's record.
+
+    answers: each prompt's answer field (worked lines, then ``#### N``), for credit="process".
+    """
     # 1. Sample G completions for each of the B prompts of this step from pi_theta = pi_old.
     rows = batch_indices(step, len(prompts), config.per_step_prompts, config.seed)
     rollouts = generate_rollouts(
@@ -309,13 +339,20 @@ def grpo_step(
     )
     rewards = rollouts.rewards  # (B, G)
 
-    # 2. One advantage per completion, from the rewards of its own group: (B, G) -> (B * G,).
-    advantages = group_advantages(
-        rewards, config.method, scale_rewards=config.scale_rewards
-    ).flatten()
+    # 2. One advantage per completion, from the rewards of its own group: (B, G) -> (B * G,);
+    # or, with process credit, one per token from the group's step rewards: (B * G, T).
+    if config.credit == "process":
+        if answers is None:
+            raise ValueError("credit='process' needs the answers of the prompts (answers=...)")
+        step_rewards = rollout_step_rewards(tokenizer, rollouts, [answers[i] for i in rows])
+        advantages = process_advantages(*step_rewards, rollouts.completion_ids.shape[1])
+    else:
+        advantages = group_advantages(
+            rewards, config.method, scale_rewards=config.scale_rewards
+        ).flatten()
 
     # 3. The completions that enter the loss: all of them, or those of groups with mixed rewards.
-    in_loss = torch.ones_like(advantages, dtype=torch.bool)
+    in_loss = torch.ones(len(advantages), dtype=torch.bool, device=advantages.device)
     if config.filter_degenerate:
         in_loss = ~zero_std_groups(rewards).repeat_interleave(config.num_generations)
     kept = in_loss.nonzero().flatten()
