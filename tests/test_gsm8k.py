@@ -429,9 +429,10 @@ def test_arithmetic_chains_have_one_worked_line_per_step(num_steps):
         assert len(steps) == num_steps
         start = re.match(r"[A-Z][a-z]+ has (\d+) ", row["question"]).group(1)
         previous = start
-        for step in steps:
+        for j, step in enumerate(steps):
             x, op, y, result = re.fullmatch(r"(\d+)([-+])(\d+)=(\d+)", step).groups()
             assert x == previous and ops[op](int(x), int(y)) == int(result)
+            assert op == "+-"[j % 2]  # in turn, as the warm start's "+b-c+d"
             previous = result
         assert final == f"#### {previous}"
         numbers = [int(n) for n in re.findall(r"\d+", row["question"] + row["answer"])]
@@ -451,9 +452,14 @@ def test_arithmetic_chains_speak_the_warm_starts_words():
     for num_steps in (1, 2, 3, 4):
         for question in load_arithmetic_chains("train", num_steps, 100, seed=0)["question"]:
             assert set(re.findall(r"[A-Za-z]+", question)) <= known, question
+    # 2 and 3 steps are the warm start's own "+b-c" and "+b-c+d" stories.
+    question = load_arithmetic_chains("test", 2, 1, seed=0)["question"][0]
+    assert re.fullmatch(
+        r"\w+ has \d+ \w+\. \w+ buys \d+ more and gives \d+ away\. How .*", question
+    )
     question = load_arithmetic_chains("test", 3, 1, seed=0)["question"][0]
     assert re.fullmatch(
-        r"\w+ has \d+ \w+\. \w+ [^,]+, [^,]+, and then [^,]+\. How many .*", question
+        r"\w+ has \d+ \w+\. \w+ gets \d+ more, loses \d+, and then buys \d+ more\. How .*", question
     )
 
 

@@ -175,41 +175,40 @@ def _arithmetic_problems(rng: random.Random):
             yield question, "\n".join(lines) + f"\n#### {total}"
 
 
-# Chain problems (`load_arithmetic_chains`): one clause per step, in the warm start's words so
-# that every word is in the tiny Llama's vocabulary.
-_ADD_CLAUSES = ("gets {y} more", "buys {y} more", "finds {y} more")
-_SUBTRACT_CLAUSES = ("loses {y}", "gives {y} away", "gives {y} to a friend")
+# Chain problems (`load_arithmetic_chains`): the clauses of the warm start's "+b-c+d" story
+# ("gets 5 more, loses 3, and then buys 4 more"), continued in its words.
+_CHAIN_CLAUSES = ("gets {y} more", "loses {y}", "buys {y} more", "gives {y} away")
 
 
 def _chain_problems(rng: random.Random, num_steps: int):
-    """Endless problems of `num_steps` additions and subtractions on a running total.
-
-    The numbers are drawn as `_arithmetic_problems` draws them (a start in 2..20, steps of
-    1..20); a step that would leave 0..99 is drawn again, so every step is valid.
-    """
+    """Endless problems of `num_steps` steps that add and subtract in turn, numbers drawn as
+    `_arithmetic_problems` draws them (a start in 2..20, steps of 1..20, a problem that leaves
+    0..99 drawn again), so that 2 and 3 steps are its "+b-c" and "+b-c+d" problems."""
     while True:
         name, thing = rng.choice(list(_PEOPLE)), rng.choice(_THINGS)
-        total, lines, clauses = rng.randint(2, 20), [], []
-        start = total
-        for _ in range(num_steps):
-            op, y = rng.choice("+-"), rng.randint(1, 20)
-            while not 0 <= _OPS[op](total, y) <= 99:
-                op, y = rng.choice("+-"), rng.randint(1, 20)
+        start = total = rng.randint(2, 20)
+        lines, values = [], []
+        for j in range(num_steps):
+            op, y = "+-"[j % 2], rng.randint(1, 20)
             lines.append(f"{total}{op}{y}={_OPS[op](total, y)}")
             total = _OPS[op](total, y)
-            clauses.append(rng.choice(_ADD_CLAUSES if op == "+" else _SUBTRACT_CLAUSES).format(y=y))
-        if num_steps == 1:
-            story = clauses[0]
-        elif num_steps == 2:
-            story = f"{clauses[0]} and then {clauses[1]}"
+            values.append(y)
+            if not 0 <= total <= 99:
+                break
         else:
-            story = ", ".join(clauses[:-1]) + f", and then {clauses[-1]}"
-        pronoun = _PEOPLE[name]
-        question = (
-            f"{name} has {start} {thing}. {pronoun.capitalize()} {story}. "
-            f"How many {thing} does {pronoun} have now?"
-        )
-        yield question, "\n".join(lines) + f"\n#### {total}"
+            if num_steps == 1:
+                story = f"buys {values[0]} more"
+            elif num_steps == 2:
+                story = f"buys {values[0]} more and gives {values[1]} away"  # "+b-c"
+            else:
+                clauses = [_CHAIN_CLAUSES[j % 4].format(y=y) for j, y in enumerate(values)]
+                story = ", ".join(clauses[:-1]) + f", and then {clauses[-1]}"
+            pronoun = _PEOPLE[name]
+            question = (
+                f"{name} has {start} {thing}. {pronoun.capitalize()} {story}. "
+                f"How many {thing} does {pronoun} have now?"
+            )
+            yield question, "\n".join(lines) + f"\n#### {total}"
 
 
 def load_arithmetic_chains(
@@ -218,10 +217,13 @@ def load_arithmetic_chains(
     """Word problems of exactly `num_steps` steps, GSM8K's schema, one worked line per step.
 
     "Tom has 12 apples. He gets 5 more, loses 3, and then buys 4 more. How many apples does he
-    have now?" with the answer "12+5=17\n17-3=14\n14+4=18\n#### 18": each step adds or
-    subtracts 1..20, every number lies in 0..99, and the words are those of the "arithmetic"
-    source (`load_gsm8k`), on which the tiny Llama was warm-started. Train and test never share
-    a question, for any seed (the same split rule as the other generated sources).
+    have now?" with the answer "12+5=17\n17-3=14\n14+4=18\n#### 18": the steps add and
+    subtract in turn, each 1..20, and every number lies in 0..99. The stories are those of the
+    "arithmetic" source (`load_gsm8k`), on which the tiny Llama was warm-started: 2 and 3 steps
+    are its "+b-c" and "+b-c+d" problems, 1 step ("He buys 5 more.") and 4 or more (the list of
+    clauses continued: "..., buys 4 more, and then gives 2 away.") the nearest stories in its
+    words, which the warm start never saw. Train and test never share a question, for any
+    seed (the same split rule as the other generated sources).
     """
     if type(num_steps) is not int or num_steps < 1:
         raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
