@@ -11,7 +11,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from grpo_companion.chapters.sparsity import iid_degenerate_rate
 from grpo_companion.chapters.sparsity_lm import (
     batch_sparsity,
-    degenerate_trend,
     gradient_split,
     remedy_summary,
     runs_of,
@@ -152,28 +151,6 @@ def test_side_of_zero_and_smoothed():
         smoothed(np.array([[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]), 2),
         [[0.0, 0.5, 0.5, 0.5], [1.0, 1.0, 0.5, 0.0]],
     )
-
-
-def test_degenerate_trend_hand_built():
-    steps, all_correct = runs_of(RISING, "grpo", "all_correct")
-    _, all_wrong = runs_of(RISING, "grpo", "all_wrong")
-    records = degenerate_trend(steps, all_correct, all_wrong, window=2)
-    slopes = [stats.linregress(steps, row).slope for row in all_correct]  # 0.25, 0.18, 0.175
-    low, high = stats.t.interval(0.95, 2, loc=np.mean(slopes), scale=stats.sem(slopes))
-    assert records["all_correct_slope_mean"] == pytest.approx(np.mean(slopes))
-    assert (records["all_correct_slope_low"], records["all_correct_slope_high"]) == pytest.approx(
-        (low, high)
-    )
-    assert low > 0 and records["all_correct_trend_verdict"] == "rises"
-    assert records["all_correct_first"] == pytest.approx((0.25 + 0.25 + 0.5) / 6)
-    assert records["all_wrong_last"] == pytest.approx((0.25 + 0.25 + 0.5 + 0.25 + 0.5 + 0.0) / 6)
-    assert records["all_correct_slope_over_run"] == pytest.approx(3 * np.mean(slopes))
-    assert records["trend_window"] == 2
-    # all_wrong's mean (5/12) exceeds all_correct's (4.5/12): the low end of f.
-    assert records["degenerate_regime"].startswith("all wrong more often than all correct")
-    flat = degenerate_trend(steps, all_correct[:, ::-1] * 0 + 0.5, all_wrong * 0, window=2)
-    assert flat["all_correct_trend_verdict"] == "shows no trend distinguishable from zero"
-    assert flat["degenerate_regime"].startswith("all correct at least as often")
 
 
 def test_remedy_summary_hand_built():

@@ -6,14 +6,14 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 import pytest
-from scipy import stats
 
 from grpo_companion.chapters.sparsity import beta_rate_curves, iid_rate_curve
 from grpo_companion.chapters.sparsity_plots import (
     plot_degenerate_rate_theory,
     plot_remedies,
-    plot_sparsity_over_training,
+    plot_sparsity_dynamics,
 )
 
 
@@ -44,20 +44,23 @@ def test_theory_figure_draws_the_curves_and_every_third_simulated_rate():
     assert len(rates.lines) == 1 + 2 * 2
 
 
-def test_sparsity_over_training_draws_means_and_fitted_trends():
-    steps = np.arange(1, 5)
-    all_correct = np.array([[0.0, 0.25, 0.5, 0.75], [0.25, 0.25, 0.5, 0.5]])
-    all_wrong = np.array([[0.5, 0.5, 0.25, 0.25], [0.75, 0.5, 0.5, 0.25]])
-    ax = plot_sparsity_over_training(steps, all_correct, all_wrong, window=1).axes[0]
-    thin, average, trend = ax.lines[:3]
-    np.testing.assert_allclose(thin.get_ydata(), all_correct.mean(axis=0))
-    np.testing.assert_allclose(average.get_ydata(), all_correct.mean(axis=0))  # window 1
-    slope = np.mean([stats.linregress(steps, row).slope for row in all_correct])
-    np.testing.assert_allclose(np.diff(trend.get_ydata()), slope)
-    # The fitted line passes through the grand mean at the mean step.
-    assert np.interp(steps.mean(), steps, trend.get_ydata()) == pytest.approx(all_correct.mean())
-    assert "2 seeds" in average.get_label()
-    assert len(ax.lines) == 6
+def test_sparsity_dynamics_draws_observed_and_predicted_per_seed():
+    table = pd.DataFrame({
+        "step": [0, 10], "pass_rate": [0.2, 0.6], "share_near_one": [0.0, 0.25],
+        "predicted_all_correct": [0.05, 0.3], "predicted_all_wrong": [0.5, 0.1],
+        "predicted_degenerate": [0.55, 0.4], "iid_degenerate": [0.4, 0.15],
+        "observed_all_correct": [0.1, 0.35], "observed_all_wrong": [0.45, 0.05],
+        "observed_degenerate": [0.55, 0.4],
+    })  # fmt: skip
+    tables = {"default": {0: table, 1: table}, "hard": {0: table, 1: table}}
+    fig = plot_sparsity_dynamics(tables, {"default": "the default start"})
+    top, bottom = fig.axes[0], fig.axes[2]
+    assert top.get_title() == "the default start" and fig.axes[1].get_title() == "hard"
+    assert len(top.lines) == 2 * 4 and len(bottom.lines) == 2 * 2
+    np.testing.assert_array_equal(top.lines[0].get_ydata(), table["observed_all_correct"])
+    np.testing.assert_array_equal(top.lines[1].get_ydata(), table["predicted_all_correct"])
+    np.testing.assert_array_equal(bottom.lines[1].get_ydata(), table["share_near_one"])
+    assert "2 seeds" in fig._suptitle.get_text()
 
 
 def history(accuracy, zero_std):

@@ -1,11 +1,11 @@
-"""Chapter 6, sections 2-5: gradient sparsity measured on language models.
+"""Chapter 6, sections 2, 4 and 5: gradient sparsity measured on language models.
 
 Section 2 splits one batch's policy gradient into its groups (`per_group_gradients`,
-`gradient_split`); sections 3-4 aggregate GRPO runs over seeds: `histories` is a dict
+`gradient_split`); section 4 aggregates GRPO runs over seeds: `histories` is a dict
 (method, seed) -> `trainer.train` history, every method run on the same seeds, so differences
 between methods are paired, and the runs, not the steps, are the independent units (every
 interval is a Student-t interval over seeds, `core.stats`); section 5 summarises a pretrained
-model's samples (`sample_sparsity`).
+model's samples (`sample_sparsity`). Section 3's long runs are `sparsity_dynamics`.
 """
 
 import numpy as np
@@ -20,7 +20,7 @@ from grpo_companion.chapters.sparsity import (
 )
 from grpo_companion.core.advantages import degenerate_fractions, group_advantages, zero_std_groups
 from grpo_companion.core.losses import grpo_loss
-from grpo_companion.core.stats import fitted_trend, metric_by_step, seed_band
+from grpo_companion.core.stats import metric_by_step, seed_band
 from grpo_companion.lm.rollouts import Rollouts, sequence_log_probs
 
 
@@ -135,7 +135,7 @@ def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[di
     return records, table
 
 
-# --- sections 3 and 4: training runs over seeds ------------------------------------------------
+# --- section 4: training runs over seeds ------------------------------------------------
 
 
 def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
@@ -155,38 +155,6 @@ def smoothed(values, window: int) -> np.ndarray:
     """Each run's moving average over `window` steps, (num_runs, num_steps): one step has only
     `per_step_prompts` groups, so its fractions move in large jumps."""
     return pd.DataFrame(np.asarray(values).T).rolling(window, min_periods=1).mean().to_numpy().T
-
-
-def degenerate_trend(steps, all_correct, all_wrong, window: int) -> dict:
-    """Does sparsity intensify? The fractions of all-correct and all-wrong groups over training.
-
-    all_correct, all_wrong: (num_runs, num_steps) at `steps`. Returns, for each of the two,
-    "<kind>_slope_{mean,low,high}" (`fitted_trend`) and "<kind>_first", "<kind>_last" (means
-    over the first and last `window` steps); then "all_correct_trend_verdict" (the words for
-    where the slope's interval lies), "degenerate_regime" (which end of f the runs sit at),
-    "all_correct_slope_over_run" and "trend_window".
-    """
-    records = {}
-    for kind, values in (("all_correct", all_correct), ("all_wrong", all_wrong)):
-        trend = fitted_trend(steps, values)
-        for key in ("mean", "low", "high"):
-            records[f"{kind}_slope_{key}"] = trend[key]
-        records[f"{kind}_first"] = values[:, :window].mean()
-        records[f"{kind}_last"] = values[:, -window:].mean()
-    trend = fitted_trend(steps, all_correct)
-    records["all_correct_trend_verdict"] = side_of_zero(
-        trend, "rises", "falls", "shows no trend distinguishable from zero"
-    )
-    records["degenerate_regime"] = (
-        "all wrong more often than all correct: these runs sit at the low end of f, the "
-        "other end from the one the paper describes"
-        if all_wrong.mean() > all_correct.mean()
-        else "all correct at least as often as all wrong: these runs sit at the end of f that the "
-        "paper describes"
-    )
-    records["all_correct_slope_over_run"] = trend["mean"] * (steps[-1] - steps[0])
-    records["trend_window"] = window
-    return records
 
 
 def remedy_summary(histories: dict, methods) -> tuple[dict, pd.DataFrame]:

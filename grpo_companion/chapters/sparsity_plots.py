@@ -9,7 +9,7 @@ import numpy as np
 
 from grpo_companion.chapters.sparsity import iid_degenerate_rate
 from grpo_companion.chapters.sparsity_lm import runs_of, smoothed
-from grpo_companion.core.stats import fitted_trend, seed_band
+from grpo_companion.core.stats import seed_band
 
 REMEDY_LABELS = {
     "grpo": "GRPO",
@@ -79,37 +79,71 @@ def plot_degenerate_rate_theory(
     return fig
 
 
-def plot_sparsity_over_training(
-    steps: np.ndarray, all_correct: np.ndarray, all_wrong: np.ndarray, window: int
-) -> plt.Figure:
-    """The fractions of all-correct and all-wrong groups of GRPO's steps: per-step mean of the
-    seeds (thin), `window`-step moving average with its 95% band over seeds, and fitted trend.
+def plot_sparsity_dynamics(tables: dict, titles: dict) -> plt.Figure:
+    """Observed against predicted degenerate fractions over a long run, per seed.
 
-    all_correct, all_wrong: (num_seeds, num_steps) at `steps` (`sparsity_lm.runs_of`).
+    tables: start -> {seed: `sparsity_dynamics.observed_vs_predicted` table}; titles: start ->
+    a title. One column per starting point. Top: the fractions of all-correct (green) and
+    all-wrong (red) groups among the training steps after each probe (solid, one line per seed)
+    and their prediction from the probe's pass rates (dashed); bottom: the probed mean pass rate
+    and the share of training prompts with pass rate >= 0.9.
     """
-    num_seeds = all_correct.shape[0]
-    fig, ax = plt.subplots(figsize=(9, 4.4))
-    for label, values, color in [
-        ("all correct", all_correct, "C2"),
-        ("all wrong", all_wrong, "C3"),
-    ]:
-        band = seed_band(smoothed(values, window))
-        ax.plot(steps, values.mean(axis=0), color=color, alpha=0.35, lw=1)
-        average = f"{label}: {window}-step moving average, {num_seeds} seeds"
-        ax.plot(steps, band["mean"], color=color, label=average)
-        ax.fill_between(steps, band["low"], band["high"], color=color, alpha=0.2)
-        fit = fitted_trend(steps, values)
-        intercept = values.mean() - fit["mean"] * steps.mean()
-        trend = f"fitted trend, {fit['mean']:+.4f} per step [{fit['low']:+.4f}, {fit['high']:+.4f}]"
-        ax.plot(steps, intercept + fit["mean"] * steps, "--", color=color, label=trend)
-    ax.set(
-        title="paper: sparsity intensifies as prompts become all-correct\nmeasured here: GRPO on "
-        "the tiny Llama (thin: per-step mean of the seeds; band: 95% over seeds)",
-        xlabel="step",
-        ylabel="fraction of the step's groups",
-        ylim=(-0.02, 1.02),
+    fig, axes = plt.subplots(
+        2,
+        len(tables),
+        figsize=(6 * len(tables), 7.5),
+        squeeze=False,
+        sharex="col",
+        height_ratios=[3, 2],
     )
-    ax.legend(fontsize="small", loc="upper right")
+    for column, (start, runs) in enumerate(tables.items()):
+        top, bottom = axes[0, column], axes[1, column]
+        for i, table in enumerate(runs.values()):
+            label = i == 0
+            for kind, color in (("all_correct", "C2"), ("all_wrong", "C3")):
+                words = kind.replace("_", " ")
+                top.plot(
+                    table["step"],
+                    table[f"observed_{kind}"],
+                    "-o",
+                    color=color,
+                    ms=3,
+                    alpha=0.8,
+                    label=f"{words}: observed" if label else None,
+                )
+                top.plot(
+                    table["step"],
+                    table[f"predicted_{kind}"],
+                    "--",
+                    color=color,
+                    alpha=0.8,
+                    label=f"{words}: predicted from the probe" if label else None,
+                )
+            bottom.plot(
+                table["step"],
+                table["pass_rate"],
+                "-o",
+                color="C0",
+                ms=3,
+                label="mean pass rate" if label else None,
+            )
+            bottom.plot(
+                table["step"],
+                table["share_near_one"],
+                "-s",
+                color="C1",
+                ms=3,
+                label="share of prompts with pass rate >= 0.9" if label else None,
+            )
+        top.set(title=titles.get(start, start), ylabel="fraction of the groups", ylim=(-0.02, 1.02))
+        bottom.set(xlabel="step (probe)", ylabel="training prompts", ylim=(-0.02, 1.02))
+        top.legend(fontsize="x-small", loc="upper right")
+        bottom.legend(fontsize="x-small", loc="upper left")
+    fig.suptitle(
+        "paper: sparsity intensifies as prompts become all-correct; measured here "
+        f"({len(next(iter(tables.values())))} seeds per starting point)"
+    )
+    fig.tight_layout()
     return fig
 
 

@@ -1,0 +1,281 @@
+r"""Chapter 6, section 3: does sparsity intensify over training? A run long enough to find out.
+
+The paper's third claim has a premise and a consequence. The premise: training moves the pass
+rates p_j of the training prompts toward 1. The consequence: then more groups are all-correct,
+so more are degenerate, and the gradient gets sparser. A 20-step run on a large training set
+never tests either. Here GRPO trains on a small fixed set of prompts for many epochs (the regime
+of a real RL run that masters its training set), and every `probe_every` steps each training
+prompt's pass rate is estimated from K = `probe_samples` extra completions that are never
+trained on (`probe_pass_rates`). From the probe, section 1's theory predicts the degenerate
+fraction of the next steps' groups without looking at them:
+
+    Pr[all correct] = mean_j p_j^G,  Pr[all wrong] = mean_j (1 - p_j)^G,
+
+estimated without bias from k_j correct of K by C(k_j, G) / C(K, G) (the chance that G draws
+without replacement from the K probe completions are all correct: its expectation is p_j^G),
+and the i.i.d. prediction f(mean_j p_j) made from the mean pass rate alone. `probed_run` trains
+with the book's trainer, in segments between probes, with a checkpoint after each (an
+interrupted run resumes where it stopped, probes included).
+
+Units: the runs (seeds) are independent, the steps of one run are not; every interval is over
+runs (`core.stats`).
+"""
+
+import hashlib
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from grpo_companion.core.stats import fitted_trend, seed_band
+from grpo_companion.lm import gsm8k
+from grpo_companion.lm.models import build_prompts
+from grpo_companion.lm.rollouts import generate_rollouts
+from grpo_companion.lm.trainer import GRPOConfig, train
+
+PROBES = "probes.json"
+
+
+def probe_seed(seed: int, step: int) -> int:
+    """Seed of the probe after `step`: a stream apart from the trainer's (`rollout_seed` uses
+    [seed, 1, step])."""
+    return int(np.random.SeedSequence([seed, 2, step]).generate_state(1)[0])
+
+
+@torch.no_grad()
+def probe_pass_rates(
+    model,
+    tokenizer,
+    prompts,
+    golds,
+    config: GRPOConfig,
+    num_samples: int,
+    seed: int,
+    reward_fn=gsm8k.reward,
+) -> list[int]:
+    """How many of `num_samples` fresh completions of each prompt are correct: (num_prompts,).
+
+    Sampled like the trainer's rollouts (temperature, max_completion_length), with their own
+    seed, and never trained on.
+    """
+    probe = generate_rollouts(
+        model, tokenizer, prompts, golds,
+        num_generations=num_samples, max_completion_length=config.max_completion_length,
+        temperature=config.temperature, seed=seed, batch_size=config.rollout_batch_size,
+        compute_log_probs=False, reward_fn=reward_fn,
+    )  # fmt: skip
+    return probe.rewards.sum(dim=1).int().tolist()
+
+
+def predicted_degenerate(correct, num_samples: int, group_size: int) -> dict:
+    """Degenerate fractions predicted from probe counts, without looking at training groups.
+
+    correct: (num_prompts,) correct completions of `num_samples` per prompt (K >= G). Returns
+    "pass_rate" (mean_j k_j / K), "all_correct" and "all_wrong" (unbiased estimates of
+    mean_j p_j^G and mean_j (1 - p_j)^G: C(k, G) / C(K, G)), "degenerate" (their sum),
+    "iid_degenerate" (f at the mean pass rate, the prediction that ignores the spread) and
+    "share_near_one" (fraction of prompts with k_j / K >= 0.9).
+    """
+    if num_samples < group_size:
+        raise ValueError(f"need probe_samples >= G = {group_size} for the unbiased estimate")
+    correct = np.asarray(correct)
+    if correct.ndim != 1 or correct.min(initial=0) < 0 or correct.max(initial=0) > num_samples:
+        raise ValueError(f"correct must be counts in [0, {num_samples}], got {correct}")
+    total = math.comb(num_samples, group_size)
+    all_correct = np.mean([math.comb(int(k), group_size) / total for k in correct])
+    all_wrong = np.mean([math.comb(num_samples - int(k), group_size) / total for k in correct])
+    p = correct.mean() / num_samples
+    return {
+        "pass_rate": float(p),
+        "all_correct": float(all_correct),
+        "all_wrong": float(all_wrong),
+        "degenerate": float(all_correct + all_wrong),
+        "iid_degenerate": float(p**group_size + (1 - p) ** group_size),
+        "share_near_one": float(np.mean(correct / num_samples >= 0.9)),
+    }
+
+
+def probed_run(
+    model,
+    tokenizer,
+    train_data,
+    eval_data,
+    config: GRPOConfig,
+    *,
+    probe_every: int,
+    probe_samples: int,
+    checkpoint_dir: str | Path,
+    reward_fn=gsm8k.reward,
+    progress: bool = False,
+) -> tuple[list[dict], list[dict]]:
+    """Train `model` with GRPO, probing every training prompt's pass rate every `probe_every`
+    steps (and before the first); returns (history, probes).
+
+    history: `trainer.train`'s. probes: one dict per probe, {"step", "correct": per-prompt
+    counts, **predicted_degenerate(...)}, the probe at step s made after s updates. Each segment
+    ends with a checkpoint in `checkpoint_dir` (with the probes so far in probes.json): calling
+    again with the same arguments resumes after the last completed segment. With beta > 0 pass
+    the initial model, as `train`'s resume requires.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    probes_file = checkpoint_dir / PROBES
+    probes = json.loads(probes_file.read_text()) if probes_file.exists() else []
+    prompts, golds = build_prompts(tokenizer, train_data)
+    stops = list(range(0, config.max_steps, probe_every)) + [config.max_steps]
+    # Every segment saves at its end: at multiples of probe_every, and at max_steps.
+    config = replace(config, save_steps=probe_every)
+    history = None
+    for stop in stops:
+        if stop > 0:
+            segment = replace(config, max_steps=stop)
+            history = train(
+                model, tokenizer, train_data, eval_data, segment,
+                checkpoint_dir=checkpoint_dir, resume=True, reward_fn=reward_fn, progress=progress,
+            )  # fmt: skip
+        if any(probe["step"] == stop for probe in probes):
+            continue  # made before an interruption; the checkpoint holds the weights after it
+        seed = probe_seed(config.seed, stop)
+        correct = probe_pass_rates(
+            model, tokenizer, prompts, golds, config, probe_samples, seed, reward_fn
+        )
+        prediction = predicted_degenerate(correct, probe_samples, config.num_generations)
+        probes.append({"step": stop, "correct": correct, **prediction})
+        tmp = probes_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(probes))
+        tmp.replace(probes_file)
+    return history, probes
+
+
+def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFrame:
+    """For each probe but the last: the prediction it makes, and the fractions the training
+    groups of the following steps (up to the next probe) actually had.
+
+    Columns: step (of the probe), pass_rate, share_near_one, predicted_{all_correct, all_wrong,
+    degenerate}, iid_degenerate, observed_{all_correct, all_wrong, degenerate}.
+    """
+    rows = []
+    for probe, following in zip(probes[:-1], probes[1:]):
+        steps = [r for r in history if probe["step"] < r["step"] <= following["step"]]
+        rows.append({
+            "step": probe["step"], "pass_rate": probe["pass_rate"],
+            "share_near_one": probe["share_near_one"],
+            **{f"predicted_{k}": probe[k] for k in ("all_correct", "all_wrong", "degenerate")},
+            "iid_degenerate": probe["iid_degenerate"],
+            "observed_all_correct": np.mean([r["all_correct"] for r in steps]),
+            "observed_all_wrong": np.mean([r["all_wrong"] for r in steps]),
+            "observed_degenerate": np.mean([r["frac_reward_zero_std"] for r in steps]),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def dynamics_summary(tables: dict, prefix: str) -> dict:
+    """What the probed runs of one starting point show, with intervals over seeds.
+
+    tables: seed -> `observed_vs_predicted` table (same probe steps in every run). Records
+    "<prefix>_pass_rate_{first,last}" (mean over seeds of the first and last probes),
+    "<prefix>_pass_rate_gain{,_low,_high}" (last minus first, per seed), the same four for
+    "share_near_one" (training prompts with pass rate >= 0.9); for each kind of group
+    (all_correct, all_wrong, degenerate) "<prefix>_<kind>_{first,last}" (observed fractions of
+    the first and last rows) and "<prefix>_<kind>_slope{,_low,_high}" (least-squares slope per
+    step of the observed fraction, `fitted_trend`); the same for
+    "<prefix>_degenerate_change" (last minus first row), and "<prefix>_prediction_error" (mean
+    absolute observed - predicted degenerate fraction over rows and seeds) with
+    "<prefix>_iid_error" (the same for the i.i.d. prediction).
+    """
+    runs = list(tables.values())
+    steps = runs[0]["step"].to_numpy()
+    records = {}
+
+    def column(name):
+        return np.stack([table[name].to_numpy() for table in runs])  # (num_seeds, num_rows)
+
+    for name in ("pass_rate", "share_near_one"):
+        values = column(name)
+        records[f"{prefix}_{name}_first"] = values[:, 0].mean()
+        records[f"{prefix}_{name}_last"] = values[:, -1].mean()
+        gain = seed_band(values[:, -1:] - values[:, :1])
+        for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+            records[f"{prefix}_{name}_gain{suffix}"] = gain[key][0]
+    for kind in ("all_correct", "all_wrong", "degenerate"):
+        observed = column(f"observed_{kind}")
+        trend = fitted_trend(steps, observed)
+        records[f"{prefix}_{kind}_slope"] = trend["mean"]
+        records[f"{prefix}_{kind}_slope_low"] = trend["low"]
+        records[f"{prefix}_{kind}_slope_high"] = trend["high"]
+        records[f"{prefix}_{kind}_first"] = observed[:, 0].mean()
+        records[f"{prefix}_{kind}_last"] = observed[:, -1].mean()
+    change = seed_band(column("observed_degenerate")[:, -1:] - column("observed_degenerate")[:, :1])
+    records[f"{prefix}_degenerate_change"] = change["mean"][0]
+    records[f"{prefix}_degenerate_change_low"] = change["low"][0]
+    records[f"{prefix}_degenerate_change_high"] = change["high"][0]
+    observed = column("observed_degenerate")
+    records[f"{prefix}_prediction_error"] = np.abs(observed - column("predicted_degenerate")).mean()
+    records[f"{prefix}_iid_error"] = np.abs(observed - column("iid_degenerate")).mean()
+    return records
+
+
+def trend_words(low: float | None, high: float | None) -> str:
+    """How the interval of a change reads: "rises", "falls" or "cannot be told from no change"."""
+    if low is None or high is None:
+        return "cannot be judged from one run"
+    return "rises" if low > 0 else "falls" if high < 0 else "cannot be told from no change"
+
+
+def long_run_problems(num_prompts: int, min_steps: int, seed: int):
+    """The fixed training set of a long run: the first `num_prompts` generated arithmetic
+    training problems whose worked answer has at least `min_steps` lines (0: any problem)."""
+    candidates = gsm8k.load_gsm8k(
+        "train", source="arithmetic", num_examples=20 * num_prompts, seed=seed
+    )
+    hard = candidates.filter(lambda row: row["answer"].count("\n") >= min_steps)
+    if len(hard) < num_prompts:
+        raise ValueError(f"only {len(hard)} problems with {min_steps}+ steps; ask for fewer")
+    return hard.select(range(num_prompts))
+
+
+def run_fingerprint(*parts) -> str:
+    """A folder name for a long run's checkpoints: changes with anything that changes the run,
+    the library's source included, so that a resumed run never continues a stale one."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.read_bytes())
+    digest.update(json.dumps(parts, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def probed_runs(
+    load_model, tokenizer, starts: dict, eval_data, config: GRPOConfig, seeds, *,
+    num_prompts: int, probe_every: int, probe_samples: int, run_dir: str | Path, model_key: str,
+    progress: bool = True,
+) -> dict:  # fmt: skip
+    """Every starting point's probed runs: start -> {seed: `observed_vs_predicted` table}.
+
+    starts: name -> the minimum number of worked steps of its training problems
+    (`long_run_problems`); load_model() returns a fresh copy of the initial policy, which
+    `model_key` names (e.g. `TinyLlamaSpec.cache_key()`). Each run
+    checkpoints under run_dir/<start>_seed<seed>_<fingerprint>: an interrupted build resumes
+    it, and a finished one is read back.
+    """
+    tables = {}
+    for start, min_steps in starts.items():
+        problems = long_run_problems(num_prompts, min_steps, config.seed)
+        tables[start] = {}
+        for seed in seeds:
+            run_config = replace(config, seed=seed)
+            fingerprint = run_fingerprint(
+                vars(run_config), problems["question"], eval_data["question"],
+                probe_every, probe_samples, model_key,
+            )  # fmt: skip
+            history, probes = probed_run(
+                load_model(), tokenizer, problems, eval_data, run_config,
+                probe_every=probe_every, probe_samples=probe_samples, progress=progress,
+                checkpoint_dir=Path(run_dir) / f"{start}_seed{seed}_{fingerprint}",
+            )  # fmt: skip
+            tables[start][seed] = observed_vs_predicted(history, probes)
+    return tables

@@ -1,0 +1,133 @@
+import copy
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from grpo_companion.chapters import sparsity_dynamics as sd
+from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.trainer import GRPOConfig
+
+
+@pytest.mark.parametrize("num_samples, group_size", [(4, 4), (8, 4), (16, 8)])
+@pytest.mark.parametrize("p", [0.0, 0.13, 0.5, 0.91, 1.0])
+def test_probe_estimate_of_p_to_the_g_is_unbiased(num_samples, group_size, p):
+    """E[C(k, G) / C(K, G)] over k ~ Binomial(K, p) is p^G exactly (enumeration over k)."""
+    ks = np.arange(num_samples + 1)
+    pmf = stats.binom.pmf(ks, num_samples, p)
+    expected = {"all_correct": 0.0, "all_wrong": 0.0}
+    for k, weight in zip(ks, pmf):
+        prediction = sd.predicted_degenerate([k], num_samples, group_size)
+        expected["all_correct"] += weight * prediction["all_correct"]
+        expected["all_wrong"] += weight * prediction["all_wrong"]
+    assert expected["all_correct"] == pytest.approx(p**group_size, abs=1e-12)
+    assert expected["all_wrong"] == pytest.approx((1 - p) ** group_size, abs=1e-12)
+
+
+def test_plug_in_p_hat_to_the_g_would_be_biased():
+    """Why not p_hat^G: with K = 8, p = 0.5, G = 4 its expectation exceeds p^G = 1/16."""
+    ks = np.arange(9)
+    plug_in = (stats.binom.pmf(ks, 8, 0.5) * (ks / 8) ** 4).sum()
+    assert plug_in > 0.0625 + 0.02
+
+
+def test_prediction_sees_the_jensen_gap():
+    """Half the prompts solved, half never: every group degenerate, the i.i.d. rate 1/8."""
+    prediction = sd.predicted_degenerate([8, 8, 0, 0], 8, 4)
+    assert prediction["degenerate"] == 1.0
+    assert prediction["iid_degenerate"] == pytest.approx(0.125)
+    assert prediction["share_near_one"] == 0.5
+
+
+@pytest.mark.parametrize("bad", [[9], [-1]])
+def test_prediction_rejects_impossible_counts(bad):
+    with pytest.raises(ValueError, match="counts"):
+        sd.predicted_degenerate(bad, 8, 4)
+    with pytest.raises(ValueError, match="probe_samples"):
+        sd.predicted_degenerate([1], 2, 4)
+
+
+def _history(fractions):
+    """A trainer history whose step s has all-correct fraction fractions[s - 1], none all-wrong."""
+    return [{"step": 0}] + [
+        {"step": s, "all_correct": c, "all_wrong": 0.0, "frac_reward_zero_std": c}
+        for s, c in enumerate(fractions, start=1)
+    ]
+
+
+def _probe(step, all_correct):
+    return {"step": step, "pass_rate": all_correct, "share_near_one": 0.0,
+            "all_correct": all_correct, "all_wrong": 0.0, "degenerate": all_correct,
+            "iid_degenerate": 0.0}  # fmt: skip
+
+
+def test_observed_averages_the_steps_after_each_probe():
+    history = _history([0.1, 0.3, 0.5, 0.7])
+    table = sd.observed_vs_predicted(history, [_probe(0, 0.2), _probe(2, 0.6), _probe(4, 0.9)])
+    assert table["observed_all_correct"].tolist() == pytest.approx([0.2, 0.6])
+    assert table["predicted_degenerate"].tolist() == [0.2, 0.6]
+
+
+def _tables(slopes, seed=0):
+    rng = np.random.default_rng(seed)
+    tables = {}
+    for run, slope in enumerate(slopes):
+        steps = np.arange(0, 50, 10)
+        observed = np.clip(0.3 + slope * steps + rng.normal(0, 0.01, steps.size), 0, 1)
+        tables[run] = pd.DataFrame({
+            "step": steps, "pass_rate": 0.5 + slope * steps, "share_near_one": 0.0,
+            "predicted_all_correct": observed, "predicted_all_wrong": 0.0,
+            "predicted_degenerate": observed, "iid_degenerate": observed * 0,
+            "observed_all_correct": observed, "observed_all_wrong": 0 * observed,
+            "observed_degenerate": observed,
+        })  # fmt: skip
+    return tables
+
+
+@pytest.mark.parametrize(
+    "slopes, words",
+    [([0.01, 0.012, 0.009], "rises"), ([-0.01, -0.012, -0.009], "falls"),
+     ([0.01, -0.01, 0.0], "cannot be told from no change")],
+)  # fmt: skip
+def test_summary_reads_the_trend_over_seeds(slopes, words):
+    records = sd.dynamics_summary(_tables(slopes), "run")
+    low, high = records["run_degenerate_change_low"], records["run_degenerate_change_high"]
+    assert sd.trend_words(low, high) == words
+    assert records["run_prediction_error"] == 0.0
+    assert records["run_iid_error"] == pytest.approx(
+        np.mean([t["observed_degenerate"].mean() for t in _tables(slopes).values()])
+    )
+    if words != "cannot be told from no change":
+        assert np.sign(records["run_degenerate_slope"]) == np.sign(np.mean(slopes))
+
+
+def has_digit(completion: str, gold: str) -> float:
+    return float(any(character.isdigit() for character in completion))
+
+
+def test_an_interrupted_probed_run_resumes_to_the_same_result(random_tiny, tmp_path):
+    model, tokenizer = random_tiny
+    train_data = load_gsm8k("train", source="arithmetic", num_examples=6, seed=0)
+    eval_data = load_gsm8k("test", source="arithmetic", num_examples=2, seed=0)
+    config = GRPOConfig(num_generations=2, per_step_prompts=2, max_completion_length=6,
+                        learning_rate=1e-2, max_steps=4, eval_every=100,
+                        micro_batch_size=8, rollout_batch_size=8)  # fmt: skip
+    kwargs = {"probe_every": 2, "probe_samples": 3, "reward_fn": has_digit}
+    whole = sd.probed_run(copy.deepcopy(model), tokenizer, train_data, eval_data, config,
+                          checkpoint_dir=tmp_path / "whole", **kwargs)  # fmt: skip
+    # Interrupted after the first segment: a run with fewer steps leaves the same checkpoint.
+    partial = copy.deepcopy(model)
+    first = GRPOConfig(**{**vars(config), "max_steps": 2})
+    sd.probed_run(partial, tokenizer, train_data, eval_data, first,
+                  checkpoint_dir=tmp_path / "resumed", **kwargs)  # fmt: skip
+    probes = json.loads((tmp_path / "resumed" / sd.PROBES).read_text())
+    assert [probe["step"] for probe in probes] == [0, 2]
+    resumed = sd.probed_run(copy.deepcopy(model), tokenizer, train_data, eval_data, config,
+                            checkpoint_dir=tmp_path / "resumed", **kwargs)  # fmt: skip
+    assert resumed[1] == whole[1]
+    assert [probe["step"] for probe in whole[1]] == [0, 2, 4]
+    assert [r["reward"] for r in resumed[0]] == [r["reward"] for r in whole[0]]
+    assert all(math.isfinite(p["pass_rate"]) for p in whole[1])
