@@ -1,4 +1,5 @@
-"""Chapter 5's figures: token-by-coefficient heatmaps, estimator errors, credit by token class.
+"""Chapter 5's figures: token-by-coefficient heatmaps, estimator errors, credit by token class,
+and the gain of step-level credit in training.
 
 Each function takes the chapter's computed data (from `credit` and `credit_exact`) and returns
 a matplotlib Figure; nothing here computes a number that the chapter records.
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from grpo_companion.chapters.credit import SHARE_COLUMNS
 from grpo_companion.chapters.credit_exact import position_roles
+from grpo_companion.chapters.credit_training import ARM_LABELS, ARMS
 
 
 def plot_toy_token_advantages(
@@ -170,3 +172,57 @@ def plot_class_shares(shares: pd.DataFrame) -> plt.Figure:
     )
     ax.legend(title=None)
     return fig
+
+
+def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
+    """Section 5: held-out accuracy of each arm (left) and the gain of step-level over outcome
+    credit (right) against the number of steps k, means with 95% t-intervals over seeds.
+
+    records: `credit_training.credit_gain_summary`'s. The dashed line on the right is the fitted
+    slope of the gain against k through the mean gain.
+    """
+    step_counts = records["credit_step_counts"]
+    keys = [str(k) for k in step_counts]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    initial = [records["credit_initial_accuracy"][k] for k in keys]
+    axes[0].plot(step_counts, initial, "k--", marker="x", label="warm start", alpha=0.7)
+    for i, arm in enumerate(ARMS):
+        final = records["credit_final_accuracy"][arm]
+        _error_bars(axes[0], np.array(step_counts) + 0.06 * (2 * i - 1), [final[k] for k in keys],
+                    f"C{i}", ARM_LABELS[arm])  # fmt: skip
+    axes[0].set(
+        title=f"held-out greedy accuracy after training ({num_eval_prompts} problems)",
+        xlabel="steps per problem k",
+        ylabel="accuracy",
+        xticks=step_counts,
+    )
+    axes[0].legend(fontsize="small")
+    gains = [records["credit_gain"][k] for k in keys]
+    _error_bars(axes[1], step_counts, gains, "C2", "paired gain, process - outcome")
+    mean_k = np.mean(step_counts)
+    mean_gain = np.mean([gain["mean"] for gain in gains])
+    fitted = mean_gain + records["credit_gain_slope"] * (np.array(step_counts) - mean_k)
+    axes[1].plot(step_counts, fitted, "--", color="C2", alpha=0.7,
+                 label=f"fitted slope {records['credit_gain_slope']:+.3f} per step")  # fmt: skip
+    axes[1].axhline(0, color="black", linewidth=0.8)
+    axes[1].set(
+        title=f"gain of step-level credit: {records['credit_gain_trend']} with k",
+        xlabel="steps per problem k",
+        ylabel="accuracy gain",
+        xticks=step_counts,
+    )
+    axes[1].legend(fontsize="small")
+    fig.suptitle(
+        f"mean and 95% t-interval over {records['credit_num_seeds']} seeds; "
+        "both arms share prompts, seeds and rollout budget"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def _error_bars(ax, x, intervals: list[dict], color: str, label: str) -> None:
+    means = np.array([interval["mean"] for interval in intervals])
+    low = np.array([interval["low"] for interval in intervals], dtype=float)
+    high = np.array([interval["high"] for interval in intervals], dtype=float)
+    ax.errorbar(x, means, yerr=[means - low, high - means], fmt="o-", color=color, label=label,
+                capsize=3, ms=5)  # fmt: skip
