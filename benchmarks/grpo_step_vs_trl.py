@@ -50,7 +50,6 @@ longest completion of the batch.
 """
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -75,7 +74,8 @@ from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.models import TinyLlamaSpec, build_prompts, load_tiny_llama
-from grpo_companion.lm.trainer import GRPOConfig, grpo_step
+from grpo_companion.lm.trainer import GRPOConfig, grpo_step, reference_and_optimizer
+from grpo_companion.lm.trl_engine import trl_config
 
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.
@@ -99,41 +99,6 @@ CONFIG = GRPOConfig(
     micro_batch_size=128,
     rollout_batch_size=128,
 )
-
-
-def trl_config(config: GRPOConfig, output_dir: str, steps: int) -> "trl.GRPOConfig":
-    """TRL's GRPOConfig with the settings of ours (TRL's batch size counts completions)."""
-    return trl.GRPOConfig(
-        output_dir=output_dir,
-        num_generations=config.num_generations,
-        per_device_train_batch_size=config.per_step_prompts * config.num_generations,
-        gradient_accumulation_steps=1,
-        max_completion_length=config.max_completion_length,
-        temperature=config.temperature,
-        top_p=1.0,
-        top_k=0,
-        beta=config.beta,
-        use_bias_correction_kl=config.use_bias_correction_kl,
-        epsilon=config.epsilon,
-        loss_type=config.loss_type,
-        scale_rewards=config.scale_rewards,
-        num_iterations=config.num_iterations,
-        learning_rate=config.learning_rate,
-        lr_scheduler_type="constant",  # ours is constant; TRL decays linearly by default
-        optim="adamw_torch",  # torch.optim.AdamW, as ours; TRL's default is its fused variant
-        weight_decay=config.weight_decay,
-        max_grad_norm=config.max_grad_norm,
-        max_steps=steps,
-        shuffle_dataset=False,  # step k answers prompts 16(k-1)..16k-1, as ours does below
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        seed=config.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-    )
 
 
 def trl_reward(completions, gold, **kwargs) -> list[float]:
@@ -191,12 +156,9 @@ def main():
         "train", source="arithmetic", num_examples=steps * config.per_step_prompts, seed=0
     )
 
-    # Ours: its own copy of the policy, reference and optimizer, as `trainer.train` makes them.
+    # Ours: its own copy of the policy, and the reference and optimizer `trainer.train` makes.
     model, tokenizer = load_tiny_llama(spec, progress=False)
-    reference = copy.deepcopy(model).requires_grad_(False) if config.beta > 0 else None
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
-    )
+    reference, optimizer = reference_and_optimizer(model, config)
     prompts, golds = build_prompts(tokenizer, data)
 
     def ours(step: int) -> dict:
@@ -220,7 +182,17 @@ def main():
         trainer = trl.GRPOTrainer(
             model=trl_model,
             reward_funcs=trl_reward,
-            args=trl_config(config, output_dir, steps),
+            # The book's TRL engine's settings (`trl_engine.trl_config`), plus what the timing
+            # needs: step k answers the prompts of our step k (no shuffling), and
+            # torch.optim.AdamW as ours (TRL's default is its fused variant).
+            args=trl_config(
+                replace(config, max_steps=steps),
+                output_dir,
+                shuffle_dataset=False,
+                optim="adamw_torch",
+                top_p=1.0,
+                top_k=0,
+            ),  # fmt: skip
             train_dataset=Dataset.from_dict({"prompt": prompts, "gold": golds}),
             processing_class=tokenizer,
             callbacks=[interleave],

@@ -61,8 +61,12 @@ class RunSettingsError(ValueError):
 
 
 def trl_config(config: GRPOConfig, output_dir, device: str = "cpu", *, use_vllm: bool = False,
-               progress: bool = False):  # fmt: skip
-    """TRL's `GRPOConfig` for the companion's `config` (module docstring for the mapping)."""
+               progress: bool = False, **fields):  # fmt: skip
+    """TRL's `GRPOConfig` for the companion's `config` (module docstring for the mapping).
+
+    fields: further TRL settings that have no counterpart in `config`, or replace the mapping's
+    (benchmarks/grpo_step_vs_trl.py: ``shuffle_dataset=False``, ``optim="adamw_torch"``).
+    """
     from trl import GRPOConfig as TRLConfig
 
     refused = {
@@ -78,25 +82,29 @@ def trl_config(config: GRPOConfig, output_dir, device: str = "cpu", *, use_vllm:
     micro, accumulation = batch_layout(config, processes)
     mu = config.num_iterations
     cuda = torch.device(device).type == "cuda"
-    return TRLConfig(
-        output_dir=str(output_dir),
-        **{name: getattr(config, name) for name in SAME_NAME},
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=accumulation,
-        max_steps=config.max_steps * mu,
-        lr_scheduler_type="constant",
-        save_strategy="steps" if config.save_steps else "no",
-        save_steps=config.save_steps * mu if config.save_steps else 500,
-        use_cpu=not cuda,
-        bf16=cuda,
-        use_vllm=use_vllm,
-        vllm_mode="colocate",
-        logging_steps=1,
-        report_to=[],
-        disable_tqdm=not progress,
-        gradient_checkpointing=False,
-        dataloader_num_workers=0,
+    settings = (
+        dict(
+            output_dir=str(output_dir),
+            **{name: getattr(config, name) for name in SAME_NAME},
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+            max_steps=config.max_steps * mu,
+            lr_scheduler_type="constant",
+            save_strategy="steps" if config.save_steps else "no",
+            save_steps=config.save_steps * mu if config.save_steps else 500,
+            use_cpu=not cuda,
+            bf16=cuda,
+            use_vllm=use_vllm,
+            vllm_mode="colocate",
+            logging_steps=1,
+            report_to=[],
+            disable_tqdm=not progress,
+            gradient_checkpointing=False,
+            dataloader_num_workers=0,
+        )
+        | fields
     )
+    return TRLConfig(**settings)
 
 
 def batch_layout(config: GRPOConfig, processes: int = 1) -> tuple[int, int]:
