@@ -206,7 +206,7 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
                  label=f"fitted slope {records['credit_gain_slope']:+.3f} per step")  # fmt: skip
     axes[1].axhline(0, color="black", linewidth=0.8)
     axes[1].set(
-        title=f"gain of step-level credit: {records['credit_gain_trend']} with k",
+        title=f"gain of step-level credit as k grows: {records['credit_gain_trend']}",
         xlabel="steps per problem k",
         ylabel="accuracy gain",
         xticks=step_counts,
