@@ -15,6 +15,7 @@ import torch
 
 from grpo_companion.chapters.grpo_loss import (
     COMPARED_LOSS_TYPES,
+    POLICY_VARIANTS,
     batch_loss,
     clip_settings,
     clipped_objective,
@@ -30,6 +31,7 @@ from grpo_companion.chapters.grpo_loss import (
     kl_records,
     length_bias_group,
     optimize_on_batch,
+    policy_gradient_weights,
     sample_batches,
     sequence_kl,
     sequence_kl_estimates,
@@ -467,3 +469,25 @@ def test_figures_draw_the_data_they_are_given():
     np.testing.assert_allclose(fig.axes[0].lines[0].get_ydata(), [1 / 4, 1 / 8])
     np.testing.assert_allclose(fig.axes[1].lines[0].get_ydata(), [0.5, 0.5])
     plt.close(fig)
+
+
+def test_policy_gradient_weights_golden():
+    """w(rho) of each variant from its definition: the clip passes rho inside (1 - eps, 1 + eps)
+    in the direction A asks for and 0 beyond; cispo min(rho, eps_high); delta zeroes A < 0 beyond
+    delta; sapo 4 sigma (1 - sigma) rho; every variant 1 at rho = 1."""
+    ratios = torch.tensor([0.5, 0.9, 1.0, 1.1, 1.25, 2.0, 4.0], dtype=torch.float64)
+    weights = policy_gradient_weights(ratios)
+    rho = ratios.numpy()
+    clip, higher, two_sided, cispo, sapo, vespo = POLICY_VARIANTS
+    up, down = weights["A = +1"], weights["A = -1"]
+    np.testing.assert_allclose(up[clip], np.where(rho <= 1.2, rho, 0.0))
+    np.testing.assert_allclose(up[higher], np.where(rho <= 1.28, rho, 0.0))
+    np.testing.assert_allclose(down[clip], np.where(rho >= 0.8, rho, 0.0))
+    np.testing.assert_allclose(down[two_sided], np.where((rho >= 0.8) & (rho <= 3.0), rho, 0.0))
+    np.testing.assert_allclose(up[cispo], np.minimum(rho, 5.0))
+    np.testing.assert_allclose(down[cispo], np.minimum(rho, 5.0))
+    gate = 1 / (1 + np.exp(-(rho - 1)))
+    np.testing.assert_allclose(up[sapo], 4 * gate * (1 - gate) * rho, rtol=1e-12)
+    assert (weights.loc[1.0] == 1.0).all()
+    assert up[vespo].iloc[-1] < 0.01  # vespo's weight vanishes far off-policy
+    assert not np.signbit(weights.to_numpy()).any()  # no weight is negative, not even -0.0

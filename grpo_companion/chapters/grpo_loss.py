@@ -27,6 +27,11 @@ KL(pi || pi_ref) = E_pi[sum_t x_t]. k1 and k3 are unbiased for it (k3 adds pi_re
 token, whose mean given the prefix is sum_a pi_ref(a | prefix) - 1 = 0); k2 = x^2 / 2 is not.
 `kl_estimator_moments` gives the exact mean and variance of each by enumeration.
 
+Policy-loss variants
+--------------------
+`policy_gradient_weights` is the factor w(rho) that TRL's and verl's policy losses
+(`POLICY_VARIANTS`) put on a token's REINFORCE term A grad log pi at importance ratio rho.
+
 Token weights
 -------------
 `token_weights` is d loss / d l_it for `grpo_companion.core.losses.aggregate`: how much each token's
@@ -48,6 +53,7 @@ from grpo_companion.core.losses import (
     clipped_surrogate,
     grpo_loss,
     kl_penalty,
+    policy_loss,
 )
 from grpo_companion.core.policy_gradient import SequencePolicy
 
@@ -416,3 +422,48 @@ def length_bias_group(
             aggregate(-advantages[:, None] * mask, mask, loss_type, **options)
         )
     return group, first_step_losses
+
+
+# TRL's and verl's other policy losses, as `policy_gradient_weights` compares them: name ->
+# keyword options of `losses.policy_loss`. The values are settings chosen for the comparison,
+# not the libraries' defaults (TRL: epsilon_high defaults to epsilon, delta to None).
+POLICY_VARIANTS = {
+    "clip, ε = 0.2 (grpo)": {"loss_type": "grpo"},
+    "clip-higher, ε_high = 0.28 (DAPO)": {"loss_type": "grpo", "epsilon_high": 0.28},
+    "two-sided clip, δ = 3 (delta; verl dual-clip)": {"loss_type": "grpo", "delta": 3.0},
+    "cispo, ε_high = 5": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "sapo (τ+ = 1, τ- = 1.05)": {"loss_type": "sapo"},
+    "vespo (TRL's k, λ)": {"loss_type": "vespo"},
+}
+
+
+def policy_gradient_weights(
+    ratios: Tensor, variants: dict = POLICY_VARIANTS, advantages=(1.0, -1.0)
+) -> pd.DataFrame:
+    """How much of a token's policy gradient each policy loss lets through at ratio rho.
+
+    For one token with advantage A and log pi - log pi_old = log rho, the per-token loss l of
+    `losses.policy_loss` has d l / d log pi = -w(rho) A, so w(rho) is the factor on the REINFORCE
+    term A grad log pi: rho inside PPO's clip region and 0 outside it, min(rho, epsilon_high)
+    for "cispo", a smooth bump for "sapo" and "vespo". (On one token GSPO's sequence ratio is
+    the token's own, so "sequence" importance sampling gives the clip's weights.)
+
+    ratios: (R,) float64, positive. Returns a DataFrame indexed by ratio with columns
+    (A, variant name), by autograd on `policy_loss`.
+    """
+    log_ratio = torch.log(ratios).reshape(-1, 1)
+    columns = {}
+    for advantage in advantages:
+        for name, options in variants.items():
+            log_probs = log_ratio.clone().requires_grad_(True)
+            loss = policy_loss(
+                log_probs,
+                torch.zeros_like(log_ratio),
+                torch.full((len(ratios),), advantage, dtype=ratios.dtype),
+                torch.ones_like(log_ratio),
+                **options,
+            )
+            (gradient,) = torch.autograd.grad(loss.sum(), log_probs)
+            weight = -gradient / advantage + 0.0  # + 0.0: no "-0.0" where the gradient is zero
+            columns[(f"A = {advantage:+g}", name)] = weight.squeeze(1).numpy()
+    return pd.DataFrame(columns, index=pd.Index(ratios.numpy(), name="ratio ρ"))

@@ -124,3 +124,23 @@ def plot_token_weights(lengths: Tensor, weights: dict[str, Tensor]) -> plt.Figur
     )
     axes[0].legend()
     return fig
+
+
+def plot_policy_variant_weights(weights: pd.DataFrame) -> plt.Figure:
+    """w(rho) of each policy loss, one panel per sign of the advantage (`policy_gradient_weights`
+    on a grid of ratios); the dotted line is plain REINFORCE with importance weight, w = rho.
+    Line styles tell apart the variants whose curves coincide over a range."""
+    signs = list(dict.fromkeys(weights.columns.get_level_values(0)))
+    fig, axes = plt.subplots(1, len(signs), figsize=(11, 4.8), layout="constrained", sharey=True)
+    ratios = weights.index.to_numpy()
+    styles = [("-", 3.0), ("--", 2.0), ("-.", 1.6), ((0, (1, 1)), 2.2), ("-", 1.4), ("-", 1.4)]
+    for ax, sign in zip(np.atleast_1d(axes), signs):
+        ax.plot(ratios, ratios, ":", color="gray", lw=1, label="unclipped, w = ρ")
+        for i, (name, values) in enumerate(weights[sign].items()):
+            style, width = styles[i % len(styles)]
+            ax.plot(ratios, values, linestyle=style, lw=width, color=f"C{i}", label=name)
+        ax.set(title=f"{sign}", xlabel="importance ratio ρ = π / π_old",
+               ylabel="weight w(ρ) on A ∇log π")  # fmt: skip
+    handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize="small")
+    return fig
