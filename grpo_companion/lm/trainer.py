@@ -42,6 +42,12 @@ TRL. It changes the gradient only when beta > 0 (chapter 11 by default) and then
 or once the policy has left the reference; the book keeps False so that its recorded runs stay
 comparable across editions. Set it to True to match TRL.
 
+One difference in the logs, not in the gradient: with several micro-batches per update, "kl",
+"entropy" and the "clip_ratio/*" metrics here are token-weighted means over the whole batch,
+while TRL logs the plain mean of the micro-batches' own token means (its ``_metrics`` lists,
+averaged at logging). The two agree when every micro-batch holds as many completion tokens,
+and always with one micro-batch per update (the book's settings).
+
 Deliberate simplifications: a constant learning rate (TRL decays it linearly by default),
 no dropout (the model stays in eval mode, so that pi / pi_old is exactly 1 before the first
 update), one process.
