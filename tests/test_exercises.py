@@ -7,9 +7,9 @@ Covered (chapter, exercise): 01-1, 02-1, 03-1, 03-2, 03-3, 04-1 (its mechanism o
 keys). The language-model exercises are checked on the random tiny Llama of `conftest.py`: what
 their solutions say of a trained model is not, and each test's docstring says what it checks.
 06-1 is checked on the i.i.d. rates its solution quotes (one batch's `batch_degenerate` is too
-noisy to assert). Not checked here: 06-3, whose prediction is about SmolLM2-135M's samples: at 64 new
-tokens every one of 2 x 2 samples is still truncated (measured), and the 256 the exercise asks for
-would take minutes of CPU sampling per run of the suite. Exercises that ask for a
+noisy to assert). Not checked here: 06-3, whose prediction is about SmolLM2-135M's samples: at
+64 new tokens every one of 2 x 2 samples is still truncated (measured), and the 256 the exercise
+asks for would take minutes of CPU sampling per run of the suite. Exercises that ask for a
 derivation or a reading rather than a prediction (such as 04-2, 08-3, 11-3, 12-2) are outside
 this file's scope.
 """
