@@ -378,7 +378,7 @@ def test_kl_clamp_is_verls_low_var_kl_and_matters_only_far_from_the_reference():
     torch.testing.assert_close(clamped.detach(), verl, rtol=0, atol=1e-12)
     plain = kl_penalty(x, ref)
     differs = (clamped != plain).flatten().tolist()
-    # k3 > 10 only for x < -2.53 or x > 11.0: here at -25, -15, 25 (and at 25 also the log clamp)
+    # k3 > 10 only for x < -2.61 or x > 11.0: here at -25, -15, 25 (and at 25 also the log clamp)
     assert differs == [True, True, False, False, False, False, True]
     (grad,) = torch.autograd.grad(clamped.sum(), x)
     assert grad.flatten().tolist()[:2] == [0.0, 0.0] and grad[0, -1] == 0.0  # clamped: no gradient

@@ -246,9 +246,9 @@ def kl_penalty(
     control variate.
 
     ``clamp`` (k3 only) is verl's "low_var_kl": x clamped to [-20, 20] before the exponential,
-    the estimate to [-10, 10] after (``VERL_KL_CLAMP``). It changes the value only where
-    |x| > ~2.2 (pi/pi_ref beyond e^-11.9 or ~ e^11.9 gives k3 > 10), and there the clamped
-    tokens get no gradient. TRL does not clamp.
+    the estimate to [-10, 10] after (``VERL_KL_CLAMP``). It changes the value only where k3
+    would exceed 10, x < -2.61 or x > 11.0 (pi/pi_ref below 0.073 or above 6e4), and there the
+    clamped tokens get no gradient. TRL does not clamp.
 
     log_probs, ref_log_probs: (batch, seq_len); the frozen reference is detached.
     Returns kl: (batch, seq_len).
