@@ -232,10 +232,11 @@ def long_run_problems(num_prompts: int, min_steps: int, seed: int):
     candidates = gsm8k.load_gsm8k(
         "train", source="arithmetic", num_examples=20 * num_prompts, seed=seed
     )
-    hard = candidates.filter(lambda row: row["answer"].count("\n") >= min_steps)
-    if len(hard) < num_prompts:
-        raise ValueError(f"only {len(hard)} problems with {min_steps}+ steps; ask for fewer")
-    return hard.select(range(num_prompts))
+    # A list, not Dataset.filter: that one draws a progress bar on stderr.
+    rows = [i for i, answer in enumerate(candidates["answer"]) if answer.count("\n") >= min_steps]
+    if len(rows) < num_prompts:
+        raise ValueError(f"only {len(rows)} problems with {min_steps}+ steps; ask for fewer")
+    return candidates.select(rows[:num_prompts])
 
 
 def run_fingerprint(*parts) -> str:
