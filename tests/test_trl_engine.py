@@ -238,12 +238,22 @@ def a_64_gib_gpu(monkeypatch):
         ({"engine": "companion", "device": "cuda", "use_vllm": True, "cuda": True}, "use_vllm"),
         ({"device": "cuda", "cuda": True, "num_parameters": 4_200_000_000, "beta": 0.04},
          "needs about 78 GiB"),
+        # On a GPU machine without the hub, the gpu profile's model and data stop in the first
+        # cell, not in the cell that loads them.
+        ({"device": "cuda", "cuda": True, "offline": True,
+          "model_name": "nvidia/Nemotron-Mini-4B-Instruct"}, "Offline: 'tiny-llama'"),
+        ({"device": "cuda", "cuda": True, "offline": True, "model_name": "tiny-llama",
+          "num_parameters": 1, "data_source": "hub"}, "offline sources: 'arithmetic'"),
     ],
 )  # fmt: skip
-def test_check_run_settings_refuses_in_one_line(settings, message, monkeypatch):
+def test_check_run_settings_refuses_in_one_line(settings, message, monkeypatch, tmp_path):
     settings = dict(settings)
     if settings.pop("no_trl", False):
         monkeypatch.setattr(trl_engine, "_importable", lambda name: name != "trl")
+    if settings.pop("offline", False):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+        monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path)
     if settings.pop("cuda", False):
         a_64_gib_gpu(monkeypatch)
     else:
@@ -253,9 +263,15 @@ def test_check_run_settings_refuses_in_one_line(settings, message, monkeypatch):
     assert "\n" not in str(error.value)
 
 
-def test_check_run_settings_passes_what_runs(monkeypatch):
+def test_check_run_settings_passes_what_runs(monkeypatch, random_tiny, tmp_path):
     a_64_gib_gpu(monkeypatch)
     check_run_settings(engine="companion", device="cpu")
+    model, tokenizer = random_tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("tiny-llama", "smollm2-135m", str(tmp_path)):  # no hub needed for these
+        check_run_settings(engine="trl", device="cuda", model_name=name, num_parameters=1)
     check_run_settings(engine="trl", device="cuda", num_parameters=135_000_000, beta=0.04)
 
 

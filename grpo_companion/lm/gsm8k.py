@@ -274,35 +274,52 @@ def _read_jsonl(path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_dict(rows)
 
 
-def _load_hub(split: str, timeout: float) -> datasets.Dataset:
-    """``openai/gsm8k`` via datasets, or one GSM8KUnavailableError naming the offline sources."""
+def _unavailable(cause: Exception) -> GSM8KUnavailableError:
     from huggingface_hub import constants
 
-    def unavailable(cause: Exception) -> GSM8KUnavailableError:
-        return GSM8KUnavailableError(
-            f"Cannot load 'openai/gsm8k' (config 'main') from the Hugging Face Hub at "
-            f"{constants.ENDPOINT} and found no cached copy ({cause!r}). Offline, use:\n"
-            "  load_gsm8k(split, source='jsonl', path='.../grade_school_math/data')"
-            "  # GSM8K's own {train,test}.jsonl\n"
-            "  load_gsm8k(split, source='gsm_symbolic')  # GSM8K templates from reasoning-gym\n"
-            "  load_gsm8k(split, source='arithmetic')    # the book's small generated problems\n"
-            "With a cached copy, HF_HUB_OFFLINE=1 skips the network retries."
-        )
+    return GSM8KUnavailableError(
+        f"Cannot load 'openai/gsm8k' (config 'main') from the Hugging Face Hub at "
+        f"{constants.ENDPOINT} and found no cached copy ({cause!r}). Offline, use:\n"
+        "  load_gsm8k(split, source='jsonl', path='.../grade_school_math/data')"
+        "  # GSM8K's own {train,test}.jsonl\n"
+        "  load_gsm8k(split, source='gsm_symbolic')  # GSM8K templates from reasoning-gym\n"
+        "  load_gsm8k(split, source='arithmetic')    # the book's small generated problems\n"
+        "With a cached copy, HF_HUB_OFFLINE=1 skips the network retries."
+    )
 
-    # datasets retries a dead network for about 25 s before failing, so first try one TCP
-    # handshake; skipped in offline mode (already fast) and behind a proxy (cannot be probed).
-    cached = (Path(datasets.config.HF_DATASETS_CACHE) / "openai___gsm8k").exists()
-    if not (cached or constants.HF_HUB_OFFLINE or urllib.request.getproxies()):
-        url = urllib.parse.urlsplit(constants.ENDPOINT)
-        try:
-            port = url.port or (443 if url.scheme == "https" else 80)
-            socket.create_connection((url.hostname, port), timeout=timeout).close()
-        except (OSError, ValueError) as err:  # ValueError: a malformed port in HF_ENDPOINT
-            raise unavailable(err) from err
+
+def check_hub_available(timeout: float = 5.0) -> None:
+    """Raise GSM8KUnavailableError at once when ``source="hub"`` cannot load here: no cached
+    copy, and the hub does not answer one TCP handshake within `timeout` seconds.
+
+    datasets alone retries a dead network for about 25 s before failing. In offline mode
+    (HF_HUB_OFFLINE) only the cache counts; behind a proxy (which cannot be probed) the check
+    passes and datasets decides.
+    """
+    from huggingface_hub import constants
+
+    if (Path(datasets.config.HF_DATASETS_CACHE) / "openai___gsm8k").exists():
+        return
+    if constants.HF_HUB_OFFLINE:
+        offline = OSError("HF_HUB_OFFLINE is set")
+        raise _unavailable(offline) from offline
+    if urllib.request.getproxies():
+        return
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except (OSError, ValueError) as err:  # ValueError: a malformed port in HF_ENDPOINT
+        raise _unavailable(err) from err
+
+
+def _load_hub(split: str, timeout: float) -> datasets.Dataset:
+    """``openai/gsm8k`` via datasets, or one GSM8KUnavailableError naming the offline sources."""
+    check_hub_available(timeout)
     try:
         dataset = datasets.load_dataset("openai/gsm8k", "main", split=split)
     except OSError as err:  # ConnectionError, OfflineModeIsEnabled, "not cached" are OSErrors
-        raise unavailable(err) from err
+        raise _unavailable(err) from err
     return dataset.select_columns(["question", "answer"])
 
 

@@ -458,12 +458,7 @@ def _load_from_hub(name: str, device: str):
     with a generic message; one quick probe first gives a clear error at once. A local
     folder (`save_pretrained`'s) is loaded as it is, without the hub.
     """
-    local_files_only = Path(name).is_dir() or not _hub_reachable(name)
-    if local_files_only and not Path(name).is_dir() and not _in_hf_cache(name):
-        raise ModelUnavailableError(
-            f"cannot load {name!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE"
-            f" set) and the model is not cached. Offline: {', '.join(map(repr, OFFLINE_MODELS))}."
-        )
+    local_files_only = check_model_available(name) != "hub"
     tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
     if tokenizer.pad_token is None:  # batched generation pads prompts
         tokenizer.pad_token = tokenizer.eos_token
@@ -471,6 +466,27 @@ def _load_from_hub(name: str, device: str):
         name, dtype=_dtype(device), local_files_only=local_files_only
     )
     return model.to(device).eval(), tokenizer
+
+
+def check_model_available(name: str) -> str:
+    """Where `name` loads from: "offline" (one of `OFFLINE_MODELS`), "folder" (a local
+    ``save_pretrained`` folder), "hub", or "cache" (the hub is out of reach but the Hugging Face
+    cache holds it). Raises `ModelUnavailableError` in one line, at once, when it cannot load
+    here: the hub is unreachable (offline, or HF_HUB_OFFLINE set) and nothing is cached.
+    Touches the network only for a hub id (one quick ``model_info`` probe).
+    """
+    if name in OFFLINE_MODELS:
+        return "offline"
+    if Path(name).is_dir():
+        return "folder"
+    if _hub_reachable(name):
+        return "hub"
+    if _in_hf_cache(name):
+        return "cache"
+    raise ModelUnavailableError(
+        f"cannot load {name!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE"
+        f" set) and the model is not cached. Offline: {', '.join(map(repr, OFFLINE_MODELS))}."
+    )
 
 
 def _hub_reachable(name: str) -> bool:

@@ -38,7 +38,13 @@ from transformers import PrinterCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
-from grpo_companion.lm.models import SYSTEM_PROMPT, build_prompts, load_policy
+from grpo_companion.lm.models import (
+    SYSTEM_PROMPT,
+    ModelUnavailableError,
+    build_prompts,
+    check_model_available,
+    load_policy,
+)
 from grpo_companion.lm.rollouts import greedy_accuracy
 from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, GRPOConfig, train
 
@@ -260,16 +266,20 @@ def check_run_settings(
     device: str = "cpu",
     use_vllm: bool = False,
     model_name: str | None = None,
+    data_source: str | None = None,
     beta: float = 0.0,
     num_parameters: int | None = None,
 ) -> None:
     """Raise `RunSettingsError` with one line if these settings cannot run here; do nothing else.
 
     Checks: a known engine; TRL importable for engine "trl"; CUDA present when the device asks
-    for it; vLLM only with engine "trl", on CUDA, installed; and on CUDA, that float32 training
-    of the model fits the GPU: 16 bytes a parameter (weights, gradients, AdamW's two moments)
-    plus 4 for the KL reference when beta > 0, activations not counted. The parameter count is
-    `num_parameters`, or read from `model_name`'s config when it is a local folder or cached.
+    for it; vLLM only with engine "trl", on CUDA, installed; that `model_name` and, for
+    ``data_source="hub"``, GSM8K can load here (a reachable hub or a cached copy, one quick
+    probe each: `models.check_model_available`, `gsm8k.check_hub_available`); and on CUDA,
+    that float32 training of the model fits the GPU: 16 bytes a parameter (weights, gradients,
+    AdamW's two moments) plus 4 for the KL reference when beta > 0, activations not counted.
+    The parameter count is `num_parameters`, or read from `model_name`'s config when it is a
+    local folder or cached.
     """
     if engine not in ENGINES:
         raise RunSettingsError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
@@ -285,6 +295,20 @@ def check_run_settings(
         raise RunSettingsError(
             "use_vllm needs engine='trl', device='cuda' and vLLM installed (pip install vllm)"
         )
+    if model_name is not None:
+        try:
+            check_model_available(model_name)
+        except ModelUnavailableError as error:
+            raise RunSettingsError(str(error)) from None
+    if data_source == "hub":
+        try:
+            gsm8k.check_hub_available()
+        except gsm8k.GSM8KUnavailableError:
+            raise RunSettingsError(
+                "data_source='hub' cannot load openai/gsm8k here: the hub is unreachable and no "
+                "copy is cached; offline sources: 'arithmetic', 'gsm_symbolic', or 'jsonl' with "
+                "a path to GSM8K's own files"
+            ) from None
     if cuda:
         count = num_parameters or (model_name and _parameter_count(model_name))
         need = count * (16 + (4 if beta > 0 else 0)) if count else 0
@@ -340,7 +364,8 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     config = GRPOConfig(**json.loads(args.grpo))
     check_run_settings(engine="trl", device=args.device, use_vllm=args.use_vllm,
-                       model_name=args.model, beta=config.beta)  # fmt: skip
+                       model_name=args.model, data_source=args.data_source,
+                       beta=config.beta)  # fmt: skip
     device = args.device  # under accelerate launch, each process on its own GPU
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
