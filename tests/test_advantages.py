@@ -373,3 +373,18 @@ def test_process_advantages_errors(change, match):
     mask = torch.ones(1, 2, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match=match):
         process_advantages(*change(rewards, ends, mask), seq_len=6)
+
+
+def test_zero_advantage_fractions_per_completion_and_per_token():
+    """The token share weights each rollout by its length; per-token advantages (process
+    credit) count their zero tokens, and a rollout is zero when all its real tokens are."""
+    from grpo_companion.core.advantages import zero_advantage_fractions
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    per_completion = zero_advantage_fractions(torch.tensor([0.0, 1e-12, -0.5]), mask)
+    assert per_completion == {"rollouts": pytest.approx(2 / 3), "tokens": pytest.approx(4 / 8)}
+    per_token = torch.tensor([[0.0, 0.0, 0.0, 9.0], [0.3, 0, 0, 0], [0.0, 0.2, 0.0, 0.0]])
+    fractions = zero_advantage_fractions(per_token, mask)
+    assert fractions == {"rollouts": pytest.approx(1 / 3), "tokens": pytest.approx(6 / 8)}
+    with pytest.raises(ValueError, match="completion_mask"):
+        zero_advantage_fractions(torch.zeros(2), mask)

@@ -27,13 +27,13 @@ from grpo_companion.chapters.sparsity import (
     monte_carlo_check,
     random_jensen_gaps,
     simulated_beta_rates,
-    zero_advantage_fractions,
 )
 from grpo_companion.chapters.sparsity_lm import per_group_gradients
 from grpo_companion.core.advantages import (
     degenerate_fractions,
     empirical_pass_rates,
     group_advantages,
+    zero_advantage_fractions,
     zero_std_groups,
 )
 from grpo_companion.core.exact import average_over_pass_rates, beta_quadrature, estimator_moments

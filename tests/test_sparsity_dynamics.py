@@ -53,7 +53,13 @@ def test_prediction_rejects_impossible_counts(bad):
 def _history(fractions):
     """A trainer history whose step s has all-correct fraction fractions[s - 1], none all-wrong."""
     return [{"step": 0}] + [
-        {"step": s, "all_correct": c, "all_wrong": 0.0, "frac_reward_zero_std": c}
+        {
+            "step": s,
+            "all_correct": c,
+            "all_wrong": 0.0,
+            "frac_reward_zero_std": c,
+            "zero_advantage_token_share": c / 2,
+        }
         for s, c in enumerate(fractions, start=1)
     ]
 
@@ -68,6 +74,7 @@ def test_observed_averages_the_steps_after_each_probe():
     history = _history([0.1, 0.3, 0.5, 0.7])
     table = sd.observed_vs_predicted(history, [_probe(0, 0.2), _probe(2, 0.6), _probe(4, 0.9)])
     assert table["observed_all_correct"].tolist() == pytest.approx([0.2, 0.6])
+    assert table["observed_zero_advantage_tokens"].tolist() == pytest.approx([0.1, 0.3])
     assert table["predicted_degenerate"].tolist() == [0.2, 0.6]
 
 
@@ -82,7 +89,7 @@ def _tables(slopes, seed=0):
             "predicted_all_correct": observed, "predicted_all_wrong": 0.0,
             "predicted_degenerate": observed, "iid_degenerate": observed * 0,
             "observed_all_correct": observed, "observed_all_wrong": 0 * observed,
-            "observed_degenerate": observed,
+            "observed_degenerate": observed, "observed_zero_advantage_tokens": observed / 2,
         })  # fmt: skip
     return tables
 

@@ -125,6 +125,10 @@ def test_records_agree_with_the_rollouts(initial, policy, data):
         groups["all_wrong"],
     )
     lengths, truncated = rollouts.lengths, rollouts.truncated
+    # Zero-advantage tokens: those of the zero-std groups, counted by hand.
+    zero_groups = rollouts.rewards.std(dim=1) == 0
+    zero_tokens = lengths.view(zero_groups.shape[0], -1)[zero_groups].sum().item()
+    assert record["zero_advantage_token_share"] == pytest.approx(zero_tokens / lengths.sum().item())
     assert record["completions/max_length"] == lengths.max().item()
     assert record["completions/min_length"] == lengths.min().item()
     assert record["completions/clipped_ratio"] == truncated.double().mean().item()

@@ -138,28 +138,6 @@ def beta_concentration_for(degenerate_rate, mean, group_size):
     return float(np.exp(brentq(excess, -bound, bound, xtol=1e-12)))
 
 
-def zero_advantage_fractions(
-    advantages: Tensor, completion_mask: Tensor, atol: float = 1e-8
-) -> dict:
-    """Fractions of rollouts and of completion tokens whose advantage is |A| <= atol.
-
-    Args: advantages (num_prompts, G) or (num_prompts * G,); completion_mask
-    (num_prompts * G, max_completion_length), 1 on real tokens. The token fraction weights each
-    rollout by its length: what a token-level loss (DAPO) sees.
-    """
-    advantages = advantages.reshape(-1)
-    if completion_mask.dim() != 2 or completion_mask.shape[0] != advantages.numel():
-        raise ValueError(
-            f"completion_mask must be (num_rollouts = {advantages.numel()}, T), "
-            f"got shape {tuple(completion_mask.shape)}"
-        )
-    # A tolerance, not == 0: the mean of G equal floats need not round back to their value, so
-    # a constant group's centred rewards can be ~1e-17 (~1e-13 after GRPO's division by eps).
-    zero = (advantages.abs() <= atol).double()
-    lengths = completion_mask.double().sum(dim=1)
-    return {"rollouts": zero.mean().item(), "tokens": ((zero @ lengths) / lengths.sum()).item()}
-
-
 def group_gradients(advantages: Tensor, scores: Tensor) -> Tensor:
     """Per-group estimates (1/G) sum_i A_i s_i, (num_prompts, P): the one `group_gradient` of
     `core.group_estimators`, on scores laid out one row per rollout.

@@ -156,7 +156,8 @@ def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFra
     groups of the following steps (up to the next probe) actually had.
 
     Columns: step (of the probe), pass_rate, share_near_one, predicted_{all_correct, all_wrong,
-    degenerate}, iid_degenerate, observed_{all_correct, all_wrong, degenerate}.
+    degenerate}, iid_degenerate, observed_{all_correct, all_wrong, degenerate,
+    zero_advantage_tokens} (the last: the share of completion tokens with advantage 0).
     """
     rows = []
     for probe, following in zip(probes[:-1], probes[1:]):
@@ -169,6 +170,9 @@ def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFra
             "observed_all_correct": np.mean([r["all_correct"] for r in steps]),
             "observed_all_wrong": np.mean([r["all_wrong"] for r in steps]),
             "observed_degenerate": np.mean([r["frac_reward_zero_std"] for r in steps]),
+            "observed_zero_advantage_tokens": np.mean(
+                [r["zero_advantage_token_share"] for r in steps]
+            ),
         })  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -185,7 +189,9 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     step of the observed fraction, `fitted_trend`); the same for
     "<prefix>_degenerate_change" (last minus first row), and "<prefix>_prediction_error" (mean
     absolute observed - predicted degenerate fraction over rows and seeds) with
-    "<prefix>_iid_error" (the same for the i.i.d. prediction).
+    "<prefix>_iid_error" (the same for the i.i.d. prediction), and
+    "<prefix>_zero_advantage_tokens_{first,last}" (the share of zero-advantage completion tokens
+    of the first and last rows).
     """
     runs = list(tables.values())
     steps = runs[0]["step"].to_numpy()
@@ -216,6 +222,9 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     observed = column("observed_degenerate")
     records[f"{prefix}_prediction_error"] = np.abs(observed - column("predicted_degenerate")).mean()
     records[f"{prefix}_iid_error"] = np.abs(observed - column("iid_degenerate")).mean()
+    zero_tokens = column("observed_zero_advantage_tokens")
+    records[f"{prefix}_zero_advantage_tokens_first"] = zero_tokens[:, 0].mean()
+    records[f"{prefix}_zero_advantage_tokens_last"] = zero_tokens[:, -1].mean()
     return records
 
 

@@ -13,12 +13,13 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from grpo_companion.chapters.sparsity import (
-    gradient_share,
-    iid_degenerate_rate,
+from grpo_companion.chapters.sparsity import gradient_share, iid_degenerate_rate
+from grpo_companion.core.advantages import (
+    degenerate_fractions,
+    group_advantages,
     zero_advantage_fractions,
+    zero_std_groups,
 )
-from grpo_companion.core.advantages import degenerate_fractions, group_advantages, zero_std_groups
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.core.stats import metric_by_step, seed_band
 from grpo_companion.lm.rollouts import Rollouts, sequence_log_probs

@@ -292,6 +292,37 @@ def degenerate_fractions(rewards: Tensor, atol: float = 1e-8) -> dict:
     }
 
 
+def zero_advantage_fractions(
+    advantages: Tensor, completion_mask: Tensor, atol: float = 1e-8
+) -> dict:
+    """Fractions of rollouts and of completion tokens whose advantage is |A| <= atol.
+
+    Args: advantages (num_prompts, G) or (num_prompts * G,), one per completion, or
+    (num_prompts * G, T) per token (process credit); completion_mask (num_prompts * G, T), 1 on
+    real tokens. The token fraction weights each rollout by its length: what a token-level loss
+    (DAPO) sees. With per-token advantages a rollout counts as zero when all its real tokens are.
+    """
+    mask = completion_mask.double()
+    # A tolerance, not == 0: the mean of G equal floats need not round back to their value, so a
+    # constant group's centred rewards can be ~1e-17 (~1e-13 after GRPO's division by eps).
+    zero = advantages.abs() <= atol
+    if zero.dim() == 2 and zero.shape == completion_mask.shape:  # per token
+        zero_rollouts = (zero | (completion_mask == 0)).all(dim=1).double()
+        zero_tokens = (zero.double() * mask).sum()
+    else:
+        zero_rollouts = zero.reshape(-1).double()
+        if completion_mask.dim() != 2 or completion_mask.shape[0] != zero_rollouts.numel():
+            raise ValueError(
+                f"completion_mask must be (num_rollouts = {zero_rollouts.numel()}, T), "
+                f"got shape {tuple(completion_mask.shape)}"
+            )
+        zero_tokens = zero_rollouts @ mask.sum(dim=1)
+    return {
+        "rollouts": zero_rollouts.mean().item(),
+        "tokens": (zero_tokens / mask.sum().clamp(min=1)).item(),
+    }
+
+
 def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
     """OPO's length-weighted group baseline: A_i = r_i - sum_j L_j r_j / sum_j L_j (j over the
     group, i included).

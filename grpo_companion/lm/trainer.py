@@ -73,6 +73,7 @@ from grpo_companion.core.advantages import (
     SCALE_REWARDS_ALIASES,
     group_advantages,
     process_advantages,
+    zero_advantage_fractions,
     zero_std_groups,
 )
 from grpo_companion.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, grpo_loss
@@ -85,7 +86,9 @@ from grpo_companion.lm.trainer_metrics import captured_logits, mean_entropy, rol
 
 # What every history record holds; None where a value was not measured at that step. The names
 # are those of TRL's logs (`trainer.state.log_history`) for the same quantities, except "step",
-# "all_correct", "all_wrong" (the zero-std groups split by their reward) and "eval_accuracy".
+# "all_correct", "all_wrong" (the zero-std groups split by their reward),
+# "zero_advantage_token_share" (`core.advantages.zero_advantage_fractions`; on a TRL run the
+# callback of `lm.trl_callback` records it) and "eval_accuracy".
 METRICS = (
     "step",
     "reward",  # mean reward of the step's completions
@@ -93,6 +96,7 @@ METRICS = (
     "frac_reward_zero_std",  # groups with equal rewards; under scale_rewards="batch": batch std = 0
     "all_correct",
     "all_wrong",
+    "zero_advantage_token_share",  # completion tokens whose advantage is 0: no policy gradient
     "loss",
     "kl",
     "clip_ratio/region_mean",
@@ -441,6 +445,9 @@ def grpo_step(
         "grad_norm": 0.0,
     }
     record["step"] = step
+    record["zero_advantage_token_share"] = zero_advantage_fractions(advantages, completion_mask)[
+        "tokens"
+    ]
     if len(kept):  # else nothing was learned: loss, clip ratio, entropy and KL stay None
         averages = {name: total / config.num_iterations for name, total in totals.items()}
         record.update(averages if reference is not None else {**averages, "kl": None})

@@ -22,8 +22,9 @@ callback records, besides TRL's logs,
                              pass rate were its empirical one. A plug-in estimate: it uses p-hat for
                              p, so it is biased (each group's own degenerate outcome gives p-hat in
                              {0, 1} and a term of 1); chapter 6 derives the exact expectation
-    zero_advantage_token_share   completion tokens whose advantage is exactly 0 (zero-std groups,
-                             and mean-valued completions): they carry no policy gradient
+    zero_advantage_token_share   completion tokens whose advantage is 0 (zero-std groups, and
+                             mean-valued completions): they carry no policy gradient; the
+                             companion trainer records it too (`trainer.METRICS`)
     rank/<measure>           every `rank_every` batches: chapter 7's effective ranks
                              (`core.spectra.rank_measures`) of the first group's length-normalised
                              per-rollout score rows (`lm.gradients.rollout_gram`, a streaming Gram)
@@ -38,12 +39,13 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from grpo_companion.core.advantages import zero_advantage_fractions
 from grpo_companion.core.spectra import gram_singular_values, rank_measures
 from grpo_companion.lm.gradients import rollout_gram
 from grpo_companion.lm.rollouts import Rollouts
 
 TRL_VERSION = "1.16.0"  # `_generate_and_score_completions` was read in this version
-BOOK_METRICS = ("jensen_zero_std", "zero_advantage_token_share")
+BOOK_METRICS = ("jensen_zero_std",)  # besides the companion's METRICS it fills in
 RANK_METRICS = ("rank/entropy", "rank/stable", "rank/energy_90", "rank/energy_99")
 
 
@@ -112,9 +114,8 @@ def batch_measurements(rewards, advantages, completion_mask, num_generations: in
 
     rewards: N = B * G floats, prompt-major (an empty list: no reward seen, those three are
     None); advantages: (N,); completion_mask: (N, T)."""
-    mask = completion_mask.to(torch.float64)
-    zero = (advantages == 0).to(torch.float64)[:, None]
-    record = {"zero_advantage_token_share": ((mask * zero).sum() / mask.sum().clamp(min=1)).item()}
+    zero = zero_advantage_fractions(advantages, completion_mask)
+    record = {"zero_advantage_token_share": zero["tokens"]}
     if len(rewards) == 0 or len(rewards) % num_generations:
         return {**record, "all_correct": None, "all_wrong": None, "jensen_zero_std": None}
     groups = torch.tensor(rewards, dtype=torch.float64).view(-1, num_generations)  # (B, G)
