@@ -2,16 +2,14 @@
 chapter's module functions at small size with the changed parameter (not by running the notebook).
 
 Covered (chapter, exercise): 01-1, 02-1, 03-1, 03-2, 03-3, 04-1 (its mechanism only), 05-1,
-07-1 (the sequence policy, and the mechanism on a random language model), 08-1, 09-1, 09-3,
-10-1, 11-1 (its mechanism only), 12-1, 12-3 (its solution's ledger entry reads only declared
-keys). The language-model exercises are checked on the random tiny Llama of `conftest.py`: what
-their solutions say of a trained model is not, and each test's docstring says what it checks.
-06-1 is checked on the i.i.d. rates its solution quotes (one batch's `batch_degenerate` is too
-noisy to assert). Not checked here: 06-3, whose prediction is about SmolLM2-135M's samples: at
-64 new tokens every one of 2 x 2 samples is still truncated (measured), and the 256 the exercise
-asks for would take minutes of CPU sampling per run of the suite. Exercises that ask for a
-derivation or a reading rather than a prediction (such as 04-2, 08-3, 11-3, 12-2) are outside
-this file's scope.
+06-1, 06-3 (the truncation part, at smoke size), 07-1 (the sequence policy, and the mechanism on
+a random language model), 08-1, 09-1, 09-3, 10-1, 11-1 (its mechanism only), 12-1, 12-3 (its
+solution's ledger entry reads only declared keys). The language-model exercises are checked on
+the random tiny Llama of `conftest.py` (06-3 on SmolLM2-135M itself): what their solutions say
+of a trained model is not, and each test's docstring says what it checks. 06-1 is checked on
+the i.i.d. rates its solution quotes (one batch's `batch_degenerate` is too noisy to assert).
+Exercises that ask for a derivation or a reading rather than a prediction (such as 04-2, 08-3,
+11-3, 12-2) are outside this file's scope.
 """
 
 import copy
@@ -455,3 +453,29 @@ def test_06_exercise_1_doubling_g_lowers_the_degenerate_rate_at_every_pass_rate(
     rates = {g: iid_degenerate_rate([0.1, 0.5], g)["degenerate"] for g in (4, 8)}
     np.testing.assert_allclose(rates[4], [0.6562, 0.125], atol=1e-4)
     np.testing.assert_allclose(rates[8], [0.4305, 0.0078], atol=1e-4)
+
+
+def test_06_exercise_3_room_to_finish_lowers_smollm2s_truncation():
+    """Section 5 at smoke size (2 GSM8K-template problems, 2 samples each, to keep it near 30 s)
+    with the exercise's 256 new tokens against the smoke profile's 8: the truncated fraction
+    falls and more completions finish. What the solution says of the pass rate is a
+    measurement, not a prediction this test can assert: at cpu size (8 problems, 256 tokens) 9
+    of 32 completions finished and none was right, so `small_all_wrong` stayed at 1 (measured
+    2026-12-04)."""
+    from grpo_companion.chapters import sparsity_lm
+    from grpo_companion.lm.models import load_policy
+
+    model, tokenizer = load_policy("smollm2-135m", progress=False)
+    prompts, golds = build_prompts(
+        tokenizer, load_gsm8k("test", source="gsm_symbolic", num_examples=2, seed=0)
+    )
+    measured = {
+        length: sparsity_lm.sample_sparsity(
+            generate_rollouts(model, tokenizer, prompts, golds, num_generations=2,
+                              max_completion_length=length, seed=0)
+        )
+        for length in (8, 256)
+    }  # fmt: skip
+    assert measured[8]["small_truncated_fraction"] == 1.0
+    assert measured[256]["small_truncated_fraction"] < 1.0
+    assert measured[256]["small_num_finished"] > measured[8]["small_num_finished"]
