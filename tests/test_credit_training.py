@@ -133,7 +133,7 @@ def test_runs_pair_the_arms_at_tiny_size(random_tiny):
     assert sorted(histories) == sorted(
         (arm, k, seed) for arm in ARMS for k in (1, 2) for seed in (0, 1)
     )
-    assert len(loads) == 8  # a fresh copy of the initial model for every run
+    assert len(loads) == 8 + 2  # a fresh copy for every run, and one per k for its evaluation
     for k in (1, 2):
         for seed in (0, 1):
             pair = [histories[arm, k, seed] for arm in ARMS]

@@ -470,3 +470,24 @@ def test_process_credit_refuses_what_it_does_not_define(initial, data):
         trainer.grpo_step(
             model, tokenizer, reference, optimizer, prompts, golds, config, 1, has_digit
         )
+
+
+def test_a_shared_initial_accuracy_changes_nothing(initial, data):
+    """Runs from one start may share the held-out accuracy before training (chapters 5 and 6
+    do): the history is the one `train` measures itself."""
+    from grpo_companion.lm.trainer import held_out_accuracy
+
+    model, tokenizer = initial
+    config = replace(CONFIG, max_steps=1, eval_every=1)
+
+    def odd_length(text, gold):  # right on some of the random model's answers, not all
+        return float(len(text) % 2)
+
+    before = held_out_accuracy(copy.deepcopy(model), tokenizer, data[1], config, odd_length)
+    assert 0 < before < 1
+    runs = [
+        train(copy.deepcopy(model), tokenizer, *data, config, reward_fn=odd_length,
+              progress=False, initial_accuracy=shared)
+        for shared in (before, None)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]

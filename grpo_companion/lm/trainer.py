@@ -236,6 +236,7 @@ def train(
     checkpoint_dir: str | Path | None = None,
     resume: bool = False,
     progress: bool = True,
+    initial_accuracy: float | None = None,
 ) -> list[dict]:
     """Train `model` in place with GRPO; returns the history.
 
@@ -252,6 +253,9 @@ def train(
             same *initial* model as the first run: it is the KL reference, and the
             checkpoint's weights are then loaded into it. Only ``max_steps`` may differ from
             the checkpoint's config.
+        initial_accuracy: record 0's held-out accuracy when the caller has it already
+            (`held_out_accuracy` of the same model, data and config: runs from one start
+            share it, and greedy decoding makes it the same number); None measures it.
 
     Returns:
         history: one dict per step with the keys of `METRICS`; record 0 holds only the
@@ -262,25 +266,17 @@ def train(
     """
     prompts, golds = build_prompts(tokenizer, train_data)
     answers = list(train_data["answer"])  # the worked solutions, for credit="process"
-    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
 
     def evaluate() -> float:
-        return greedy_accuracy(
-            model,
-            tokenizer,
-            eval_prompts,
-            eval_golds,
-            reward_fn=reward_fn,
-            max_completion_length=config.max_completion_length,
-            batch_size=config.rollout_batch_size,
-        )
+        return held_out_accuracy(model, tokenizer, eval_data, config, reward_fn)
 
     reference, optimizer = reference_and_optimizer(model, config)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir is not None else None
     if resume and checkpoint is not None and checkpoint.exists():
         history = load_checkpoint(checkpoint, model, optimizer, config, reference)
     else:
-        history = [{**dict.fromkeys(METRICS), "step": 0, "eval_accuracy": evaluate()}]
+        before = evaluate() if initial_accuracy is None else initial_accuracy
+        history = [{**dict.fromkeys(METRICS), "step": 0, "eval_accuracy": before}]
 
     steps = tqdm(
         range(len(history), config.max_steps + 1),
@@ -306,6 +302,23 @@ def train(
         ):
             save_checkpoint(checkpoint, model, optimizer, config, reference, history)
     return history
+
+
+def held_out_accuracy(
+    model, tokenizer, eval_data, config: GRPOConfig, reward_fn=gsm8k.reward
+) -> float:
+    """`train`'s held-out measure: the greedy accuracy on `eval_data` (GSM8K schema) with at
+    most ``config.max_completion_length`` new tokens."""
+    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
+    return greedy_accuracy(
+        model,
+        tokenizer,
+        eval_prompts,
+        eval_golds,
+        reward_fn=reward_fn,
+        max_completion_length=config.max_completion_length,
+        batch_size=config.rollout_batch_size,
+    )
 
 
 def reference_and_optimizer(model, config: GRPOConfig):
