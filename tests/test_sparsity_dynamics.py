@@ -52,13 +52,14 @@ def test_prediction_rejects_impossible_counts(bad):
 
 def _history(fractions):
     """A trainer history whose step s has all-correct fraction fractions[s - 1], none all-wrong."""
-    return [{"step": 0}] + [
+    return [{"step": 0, "eval_accuracy": 0.5}] + [
         {
             "step": s,
             "all_correct": c,
             "all_wrong": 0.0,
             "frac_reward_zero_std": c,
             "zero_advantage_token_share": c / 2,
+            "eval_accuracy": 1 - c if s % 2 == 0 else None,  # measured every other step
         }
         for s, c in enumerate(fractions, start=1)
     ]
@@ -75,6 +76,8 @@ def test_observed_averages_the_steps_after_each_probe():
     table = sd.observed_vs_predicted(history, [_probe(0, 0.2), _probe(2, 0.6), _probe(4, 0.9)])
     assert table["observed_all_correct"].tolist() == pytest.approx([0.2, 0.6])
     assert table["observed_zero_advantage_tokens"].tolist() == pytest.approx([0.1, 0.3])
+    assert table["eval_accuracy"].tolist() == pytest.approx([0.5, 0.7])  # after steps 0 and 2
+    assert table["eval_accuracy_next"].tolist() == pytest.approx([0.7, 0.3])  # steps 2 and 4
     assert table["predicted_degenerate"].tolist() == [0.2, 0.6]
 
 
@@ -90,6 +93,7 @@ def _tables(slopes, seed=0):
             "predicted_degenerate": observed, "iid_degenerate": observed * 0,
             "observed_all_correct": observed, "observed_all_wrong": 0 * observed,
             "observed_degenerate": observed, "observed_zero_advantage_tokens": observed / 2,
+            "eval_accuracy": 0.4 - slope * steps, "eval_accuracy_next": 0.3 - slope * steps,
         })  # fmt: skip
     return tables
 
@@ -104,6 +108,8 @@ def test_summary_reads_the_trend_over_seeds(slopes, words):
     low, high = records["run_degenerate_change_low"], records["run_degenerate_change_high"]
     assert sd.trend_words(low, high) == words
     assert records["run_prediction_error"] == 0.0
+    assert records["run_eval_accuracy_first"] == pytest.approx(0.4)
+    assert records["run_eval_accuracy_last"] == pytest.approx(0.3 - np.mean(slopes) * 40)
     assert records["run_iid_error"] == pytest.approx(
         np.mean([t["observed_degenerate"].mean() for t in _tables(slopes).values()])
     )

@@ -157,8 +157,12 @@ def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFra
 
     Columns: step (of the probe), pass_rate, share_near_one, predicted_{all_correct, all_wrong,
     degenerate}, iid_degenerate, observed_{all_correct, all_wrong, degenerate,
-    zero_advantage_tokens} (the last: the share of completion tokens with advantage 0).
+    zero_advantage_tokens} (the last: the share of completion tokens with advantage 0), and
+    eval_accuracy, eval_accuracy_next: the held-out greedy accuracy after the probe's step and
+    after the next probe's (NaN where the history has none; `probed_run` measures it at every
+    probe, since each segment's last step is evaluated).
     """
+    accuracy = {r["step"]: r["eval_accuracy"] for r in history}
     rows = []
     for probe, following in zip(probes[:-1], probes[1:]):
         steps = [r for r in history if probe["step"] < r["step"] <= following["step"]]
@@ -173,8 +177,14 @@ def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFra
             "observed_zero_advantage_tokens": np.mean(
                 [r["zero_advantage_token_share"] for r in steps]
             ),
+            "eval_accuracy": _or_nan(accuracy.get(probe["step"])),
+            "eval_accuracy_next": _or_nan(accuracy.get(following["step"])),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _or_nan(value) -> float:
+    return np.nan if value is None else float(value)
 
 
 def dynamics_summary(tables: dict, prefix: str) -> dict:
@@ -191,7 +201,8 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     absolute observed - predicted degenerate fraction over rows and seeds) with
     "<prefix>_iid_error" (the same for the i.i.d. prediction), and
     "<prefix>_zero_advantage_tokens_{first,last}" (the share of zero-advantage completion tokens
-    of the first and last rows).
+    of the first and last rows), and "<prefix>_eval_accuracy_{first,last}" (held-out greedy
+    accuracy before training and after the last step, mean over seeds).
     """
     runs = list(tables.values())
     steps = runs[0]["step"].to_numpy()
@@ -225,6 +236,8 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     zero_tokens = column("observed_zero_advantage_tokens")
     records[f"{prefix}_zero_advantage_tokens_first"] = zero_tokens[:, 0].mean()
     records[f"{prefix}_zero_advantage_tokens_last"] = zero_tokens[:, -1].mean()
+    records[f"{prefix}_eval_accuracy_first"] = column("eval_accuracy")[:, 0].mean()
+    records[f"{prefix}_eval_accuracy_last"] = column("eval_accuracy_next")[:, -1].mean()
     return records
 
 
