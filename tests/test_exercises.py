@@ -3,7 +3,7 @@ chapter's module functions at small size with the changed parameter (not by runn
 
 Covered (chapter, exercise): 01-1, 02-1, 03-1, 03-2, 03-3, 04-1 (its mechanism only), 05-1,
 06-1, 06-3 (the truncation part, at smoke size), 07-1 (the sequence policy, and the mechanism on
-a random language model), 08-1, 09-1, 09-3, 10-1, 11-1 (its mechanism only), 12-1, 12-3 (its
+a random language model), 07-3, 08-1, 09-1, 09-3, 10-1, 11-1 (its mechanism only), 12-1, 12-3 (its
 solution's ledger entry reads only declared keys). The language-model exercises are checked on
 the random tiny Llama of `conftest.py` (06-3 on SmolLM2-135M itself): what their solutions say
 of a trained model is not, and each test's docstring says what it checks. 06-1 is checked on
@@ -314,6 +314,28 @@ def test_07_exercise_1_a_language_models_weighted_rows_grow_from_2(random_tiny):
     rows, _ = rank_verdict.verdict(summary)
     weighted = next(row for row in rows if row["candidate"] == "weighted")
     assert weighted["class"] == "grows with R" and 3 <= weighted["high"] <= 4
+
+
+def test_07_exercise_3_a_thresholded_random_reward_caps_only_the_level_sums_at_2():
+    """Uniform rewards thresholded at 0.5 are binary and carry no information about the text:
+    the level sums (and the group gradient, in their span) have rank at most 2, while the
+    per-completion rows keep the scores' rank, G here. Random score rows, 50 groups of 8."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        scores = torch.randn(8, 40, dtype=torch.float64, generator=generator)
+        rewards = (torch.rand(8, dtype=torch.float64, generator=generator) > 0.5).double()
+        if rewards.std() == 0:
+            continue
+        advantages = group_advantages(rewards[None], "grpo")[0]
+        ranks = {
+            name: torch.linalg.matrix_rank(matrix).item()
+            for name, matrix in rank.candidate_matrices(scores, rewards, advantages).items()
+        }
+        assert ranks == {"scores": 8, "weighted": 8, "level_sums": 2}
+        gradient = (advantages[:, None] * scores).sum(dim=0)
+        level_sums = rank.class_sums(scores, rewards)
+        coefficients = torch.linalg.lstsq(level_sums.T, gradient[:, None]).solution
+        assert level_sums.T @ coefficients[:, 0] == pytest.approx(gradient, abs=1e-10)
 
 
 def test_08_exercise_1_rewarding_48_of_64_mirrors_the_other_case_at_16():
