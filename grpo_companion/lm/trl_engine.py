@@ -45,8 +45,7 @@ from grpo_companion.lm.models import (
     check_model_available,
     load_policy,
 )
-from grpo_companion.lm.rollouts import greedy_accuracy
-from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, GRPOConfig, train
+from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, GRPOConfig, held_out_accuracy, train
 
 ENGINES = ("companion", "trl")
 # Settings TRL's GRPOConfig has under the same name and meaning.
@@ -158,14 +157,9 @@ def train_with_trl(
     output_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="trl_engine_"))
     device = next(model.parameters()).device.type
     prompts, golds = build_prompts(tokenizer, train_data)
-    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
 
     def evaluate(policy) -> float:
-        return greedy_accuracy(
-            policy, tokenizer, eval_prompts, eval_golds, reward_fn=reward_fn,
-            max_completion_length=config.max_completion_length,
-            batch_size=config.rollout_batch_size,
-        )  # fmt: skip
+        return held_out_accuracy(policy, tokenizer, eval_data, config, reward_fn)
 
     def reward(prompts, completions, gold, **kwargs):  # TRL's reward-function signature
         return [reward_fn(completion[-1]["content"], g) for completion, g in zip(completions, gold)]
