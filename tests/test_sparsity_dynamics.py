@@ -110,6 +110,9 @@ def test_summary_reads_the_trend_over_seeds(slopes, words):
     assert records["run_prediction_error"] == 0.0
     assert records["run_eval_accuracy_first"] == pytest.approx(0.4)
     assert records["run_eval_accuracy_last"] == pytest.approx(0.3 - np.mean(slopes) * 40)
+    change = (records["run_eval_accuracy_change_low"], records["run_eval_accuracy_change_high"])
+    assert records["run_eval_accuracy_change"] == pytest.approx(-0.1 - np.mean(slopes) * 40)
+    assert sd.trend_words(*change) == {"rises": "falls", "falls": "rises"}.get(words, words)
     assert records["run_iid_error"] == pytest.approx(
         np.mean([t["observed_degenerate"].mean() for t in _tables(slopes).values()])
     )

@@ -202,7 +202,8 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     "<prefix>_iid_error" (the same for the i.i.d. prediction), and
     "<prefix>_zero_advantage_tokens_{first,last}" (the share of zero-advantage completion tokens
     of the first and last rows), and "<prefix>_eval_accuracy_{first,last}" (held-out greedy
-    accuracy before training and after the last step, mean over seeds).
+    accuracy before training and after the last step, mean over seeds) with
+    "<prefix>_eval_accuracy_change{,_low,_high}" (last minus first, interval over seeds).
     """
     runs = list(tables.values())
     steps = runs[0]["step"].to_numpy()
@@ -236,8 +237,12 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     zero_tokens = column("observed_zero_advantage_tokens")
     records[f"{prefix}_zero_advantage_tokens_first"] = zero_tokens[:, 0].mean()
     records[f"{prefix}_zero_advantage_tokens_last"] = zero_tokens[:, -1].mean()
-    records[f"{prefix}_eval_accuracy_first"] = column("eval_accuracy")[:, 0].mean()
-    records[f"{prefix}_eval_accuracy_last"] = column("eval_accuracy_next")[:, -1].mean()
+    before, after = column("eval_accuracy")[:, :1], column("eval_accuracy_next")[:, -1:]
+    records[f"{prefix}_eval_accuracy_first"] = before.mean()
+    records[f"{prefix}_eval_accuracy_last"] = after.mean()
+    eval_change = seed_band(after - before)
+    for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+        records[f"{prefix}_eval_accuracy_change{suffix}"] = eval_change[key][0]
     return records
 
 
