@@ -15,8 +15,9 @@ handed those 16), with its own random completions.
 
 What one step does on each side:
 
-  ours  `grpo_step`: `generate_rollouts` (left-padded prompts, `model.generate` with the KV
-        cache for all 128 completions in one call, decoding and rewards; with num_iterations
+  ours  `grpo_step`: `generate_rollouts` (left-padded prompts, each prompt's KV cache computed
+        once for its 8 completions by `rollouts.generate_groups`, then `model.generate` for
+        all 128 in one call, decoding and rewards; with num_iterations
         1 no log-prob pass for pi_old, whose log-probs are the update's own, detached);
         group advantages; the reference model's log-probs (no-grad forward pass, beta > 0);
         one forward and backward pass over the 128 completions (micro_batch_size 128) with

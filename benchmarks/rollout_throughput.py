@@ -11,10 +11,11 @@ temperature 1 from the tiny Llama (`models.load_tiny_llama(TinyLlamaSpec())`, re
   generate      the baseline: the left-padded prompts, `model.generate(do_sample=True,
                 temperature=1, top_k=0, num_return_sequences=8, max_new_tokens=48)`, tensors
                 already built, nothing after it.
-  ours          `generate_rollouts`: tokenizes the prompts, the same `generate` call under
-                the same seed (so the very same tokens: checked), cuts each completion at its
-                first EOS, decodes, scores with `gsm8k.reward`, and runs the teacher-forced
-                log-prob pass (`sequence_log_probs`).
+  ours          `generate_rollouts`: tokenizes the prompts, samples under the same seed with
+                each prompt run through the model once for its group of 8
+                (`rollouts.generate_groups`: the very same tokens, checked), cuts each
+                completion at its first EOS, decodes, scores with `gsm8k.reward`, and runs the
+                teacher-forced log-prob pass (`sequence_log_probs`).
   ours, no lp   the same with `compute_log_probs=False`, what the trainer's on-policy step
                 (num_iterations = 1) calls.
 
@@ -52,7 +53,7 @@ SMOKE_SPEC = {
 # The parts of `generate_rollouts` timed in the breakdown: (module attribute, label).
 PARTS = [
     ("_tokenize_prompts", "tokenize prompts"),
-    ("_generate", "model.generate"),
+    ("_generate", "sampling"),
     ("cut_at_eos", "cut at EOS"),
     ("sequence_log_probs", "log-prob pass"),
 ]

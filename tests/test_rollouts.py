@@ -258,3 +258,27 @@ def test_bad_arguments_are_refused(policy, problems):
     for bad in [(prompts, golds[:1]), ([], [])]:
         with pytest.raises(ValueError, match="golds"):
             _rollouts(policy, bad)
+
+
+@pytest.mark.parametrize("num_generations, do_sample", [(4, True), (3, True), (1, False)])
+def test_prompts_computed_once_per_group_give_generates_own_tokens(
+    policy, problems, num_generations, do_sample
+):
+    """`generate_groups` (through `_generate`) runs each prompt through the model once for its
+    whole group (a cache repeated G times) where `generate` would run it G times: on
+    left-padded prompts of different lengths, under the same seed, the tokens are
+    `generate`'s own."""
+    from grpo_companion.lm.rollouts import _generate, _tokenize_prompts, sampling_config, seeded
+
+    model, tokenizer = policy
+    prompts, _ = problems
+    ids, mask = _tokenize_prompts(tokenizer, prompts, model.device)
+    assert (mask == 0).any()  # some prompts are padded
+    config = sampling_config(model, tokenizer, do_sample=do_sample, max_new_tokens=12,
+                             num_return_sequences=num_generations)  # fmt: skip
+    for seed in range(3):
+        with seeded(seed, model.device):
+            expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        with seeded(seed, model.device):
+            shared = _generate(model, ids, mask, config, prompts_per_call=len(prompts))
+        assert torch.equal(shared, expected[:, ids.shape[1] :])

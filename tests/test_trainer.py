@@ -491,3 +491,23 @@ def test_a_shared_initial_accuracy_changes_nothing(initial, data):
         for shared in (before, None)
     ]  # fmt: skip
     assert runs[0] == runs[1]
+
+
+def test_segments_with_until_are_the_whole_run(initial, data, tmp_path):
+    """Training in segments (`until`, resuming from the checkpoint, as chapter 6's probed runs
+    do) gives the history and weights of one unbroken run, held-out evaluations included: at
+    eval_every and max_steps, not at the end of every segment."""
+    config = replace(CONFIG, max_steps=5, eval_every=4, save_steps=2)  # beta 0: no reference
+    whole = copy.deepcopy(initial[0])
+    expected = _train((whole, initial[1]), data, config)
+    assert [r["step"] for r in expected if r["eval_accuracy"] is not None] == [0, 4, 5]
+    pieces = copy.deepcopy(initial[0])
+    for until in (1, 3, 5):  # ends that are not multiples of save_steps must be saved too
+        history = _train((pieces, initial[1]), data, config, until=until,
+                         checkpoint_dir=tmp_path, resume=True)  # fmt: skip
+        assert len(history) == until + 1
+    assert history == expected
+    for a, b in zip(whole.parameters(), pieces.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="until"):
+        _train(copy.deepcopy(initial), data, config, until=6)

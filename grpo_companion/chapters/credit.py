@@ -55,6 +55,7 @@ from grpo_companion.lm import gsm8k
 from grpo_companion.lm.rollouts import (
     Rollouts,
     cut_at_eos,
+    generate_groups,
     sampling_config,
     seeded,
     stop_token_ids,
@@ -210,16 +211,16 @@ def prefix_values(
                 do_sample=True,
                 temperature=rollouts.temperature,
                 top_p=1.0,
-                num_return_sequences=1,
+                num_return_sequences=num_resamples,
                 max_new_tokens=max_completion_length - t,
             )
             chunks = [
-                _continue(
+                # Each prefix runs through the model once, its cache copied K times.
+                generate_groups(
                     model,
                     input_ids[chunk, : prompt_width + t],
                     attention_mask[chunk, : prompt_width + t],
                     config,
-                    num_resamples,
                 )
                 for chunk in rows.split(max(1, batch_size // num_resamples))
             ]
@@ -284,31 +285,6 @@ def prefix_value_summary(estimate: PrefixValues, rollouts: Rollouts) -> dict:
         "group_pass_rates": pass_rates,
         "prompt_value_max_gap_in_errors": gaps.max().item(),
     }
-
-
-def _continue(
-    model, input_ids: Tensor, attention_mask: Tensor, config, num_resamples: int
-) -> Tensor:
-    """(n * K, new) continuations, K per row of the left-padded `input_ids: (n, width)`.
-
-    The prefix is run through the model once and its KV cache copied K times, rather than
-    `generate(num_return_sequences=K)` running it K times: same samples, a few times faster.
-    """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = model(
-        input_ids=input_ids[:, :-1],
-        attention_mask=attention_mask[:, :-1],
-        position_ids=position_ids[:, :-1],
-        use_cache=True,
-    ).cache
-    cache.batch_repeat_interleave(num_resamples)
-    output = model.generate(
-        input_ids=input_ids.repeat_interleave(num_resamples, dim=0),
-        attention_mask=attention_mask.repeat_interleave(num_resamples, dim=0),
-        cache=cache,
-        generation_config=config,
-    )
-    return output[:, input_ids.shape[1] :]
 
 
 def token_classes(tokenizer, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:

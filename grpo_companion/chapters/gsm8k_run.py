@@ -157,6 +157,7 @@ def sampled_pass_rates(
         temperature=temperature,
         seed=seed,
         batch_size=batch_size,
+        compute_log_probs=False,  # only the rewards are read
     )
     return rollouts.rewards.double().mean(dim=1).numpy()
 

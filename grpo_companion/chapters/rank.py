@@ -414,6 +414,7 @@ def measure(
         seed=seed,
         batch_size=num_samples * 4,
         reward_fn=lambda text, gold: gsm8k.reward(text, gold, mode=spec["reward_mode"]),
+        compute_log_probs=False,  # rollout_gram and group_loss take their own, with gradients
     )
     gram = rollout_gram(model, rollouts)
     answers = np.repeat(golds, num_samples)

@@ -35,7 +35,7 @@ from grpo_companion.core.stats import fitted_trend, seed_band
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts
-from grpo_companion.lm.trainer import GRPOConfig, train
+from grpo_companion.lm.trainer import GRPOConfig, held_out_accuracy, train
 
 PROBES = "probes.json"
 
@@ -111,12 +111,15 @@ def probed_run(
     checkpoint_dir: str | Path,
     reward_fn=gsm8k.reward,
     progress: bool = False,
+    initial_accuracy: float | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Train `model` with GRPO, probing every training prompt's pass rate every `probe_every`
     steps (and before the first); returns (history, probes).
 
-    history: `trainer.train`'s. probes: one dict per probe, {"step", "correct": per-prompt
-    counts, **predicted_degenerate(...)}, the probe at step s made after s updates. Each segment
+    history: `trainer.train`'s, held-out accuracy measured as in one unbroken run (before the
+    first step, or `initial_accuracy` if given; every ``config.eval_every`` steps; at the last).
+    probes: one dict per probe, {"step", "correct": per-prompt counts,
+    **predicted_degenerate(...)}, the probe at step s made after s updates. Each segment
     ends with a checkpoint in `checkpoint_dir` (with the probes so far in probes.json): calling
     again with the same arguments resumes after the last completed segment. With beta > 0 pass
     the initial model, as `train`'s resume requires.
@@ -127,15 +130,15 @@ def probed_run(
     probes = json.loads(probes_file.read_text()) if probes_file.exists() else []
     prompts, golds = build_prompts(tokenizer, train_data)
     stops = list(range(0, config.max_steps, probe_every)) + [config.max_steps]
-    # Every segment saves at its end: at multiples of probe_every, and at max_steps.
+    # Every segment saves at its end (`train`'s until): multiples of probe_every, and max_steps.
     config = replace(config, save_steps=probe_every)
     history = None
     for stop in stops:
         if stop > 0:
-            segment = replace(config, max_steps=stop)
             history = train(
-                model, tokenizer, train_data, eval_data, segment,
+                model, tokenizer, train_data, eval_data, config, until=stop,
                 checkpoint_dir=checkpoint_dir, resume=True, reward_fn=reward_fn, progress=progress,
+                initial_accuracy=initial_accuracy,
             )  # fmt: skip
         if any(probe["step"] == stop for probe in probes):
             continue  # made before an interruption; the checkpoint holds the weights after it
@@ -159,8 +162,8 @@ def observed_vs_predicted(history: list[dict], probes: list[dict]) -> pd.DataFra
     degenerate}, iid_degenerate, observed_{all_correct, all_wrong, degenerate,
     zero_advantage_tokens} (the last: the share of completion tokens with advantage 0), and
     eval_accuracy, eval_accuracy_next: the held-out greedy accuracy after the probe's step and
-    after the next probe's (NaN where the history has none; `probed_run` measures it at every
-    probe, since each segment's last step is evaluated).
+    after the next probe's (NaN where the history has none: `probed_run` measures it before
+    the first step, every ``eval_every`` steps and at the last).
     """
     accuracy = {r["step"]: r["eval_accuracy"] for r in history}
     rows = []
@@ -290,6 +293,8 @@ def probed_runs(
     checkpoints under run_dir/<start>_seed<seed>_<fingerprint>: an interrupted build resumes
     it, and a finished one is read back.
     """
+    # Every run starts from the same model: one greedy evaluation for all (as in one run).
+    initial_accuracy = held_out_accuracy(load_model(), tokenizer, eval_data, config)
     tables = {}
     for start, min_steps in starts.items():
         problems = long_run_problems(num_prompts, min_steps, config.seed)
@@ -304,6 +309,7 @@ def probed_runs(
                 load_model(), tokenizer, problems, eval_data, run_config,
                 probe_every=probe_every, probe_samples=probe_samples, progress=progress,
                 checkpoint_dir=Path(run_dir) / f"{start}_seed{seed}_{fingerprint}",
+                initial_accuracy=initial_accuracy,
             )  # fmt: skip
             tables[start][seed] = observed_vs_predicted(history, probes)
     return tables

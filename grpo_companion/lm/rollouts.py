@@ -35,6 +35,7 @@ report the log-probs of the untruncated tempered softmax, the distribution the p
 gradient differentiates. With the default ``top_p = 1`` the two coincide.
 """
 
+import copy
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from grpo_companion.lm import gsm8k
 
@@ -319,9 +320,7 @@ def _generate(
 ) -> Tensor:
     """(B * num_return_sequences, T) completion tokens, `generate` called on chunks of prompts."""
     chunks = [
-        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
-            :, prompt_ids.shape[1] :
-        ]
+        generate_groups(model, ids, mask, config)
         for ids, mask in zip(
             prompt_ids.split(prompts_per_call), prompt_mask.split(prompts_per_call)
         )
@@ -331,6 +330,39 @@ def _generate(
     return torch.cat(
         [F.pad(chunk, (0, width - chunk.shape[1]), value=config.pad_token_id) for chunk in chunks]
     )
+
+
+def generate_groups(model, input_ids: Tensor, attention_mask: Tensor, config: GenerationConfig):
+    """`generate`'s K = ``config.num_return_sequences`` continuations of each left-padded row of
+    `input_ids: (n, width)`, (n * K, new), each row's keys and values computed once.
+
+    `generate` repeats every row K times before its first forward pass, so a prompt (or, in
+    chapter 5, a prefix) shared by a group goes through the model K times. Here the rows but
+    their last token go through it once, into a cache that is repeated K times; `generate`
+    starts from it with the last token. Same positions (from the attention mask, as `generate`
+    makes them), same masks, same sampler and seed: the same tokens (tests/test_rollouts.py
+    compares them with `generate`'s own), at a fifth to a half less time on this machine (the
+    tiny Llama at G = 4 to 8, SmolLM2-135M at 16; benchmarks/rollout_throughput.py).
+    """
+    width = input_ids.shape[1]
+    repeats = config.num_return_sequences or 1
+    if repeats == 1 or width < 2:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                              generation_config=config)[:, width:]  # fmt: skip
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+              position_ids=positions[:, :-1], cache=cache, use_cache=True)  # fmt: skip
+    cache.batch_repeat_interleave(repeats)
+    single = copy.deepcopy(config)
+    single.num_return_sequences = 1
+    return model.generate(
+        input_ids=input_ids.repeat_interleave(repeats, dim=0),
+        attention_mask=attention_mask.repeat_interleave(repeats, dim=0),
+        cache=cache,
+        generation_config=single,
+    )[:, width:]
 
 
 def cut_at_eos(completion_ids: Tensor, eos_token_ids: list[int], pad_token_id: int):

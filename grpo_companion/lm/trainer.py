@@ -237,6 +237,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     initial_accuracy: float | None = None,
+    until: int | None = None,
 ) -> list[dict]:
     """Train `model` in place with GRPO; returns the history.
 
@@ -256,6 +257,11 @@ def train(
         initial_accuracy: record 0's held-out accuracy when the caller has it already
             (`held_out_accuracy` of the same model, data and config: runs from one start
             share it, and greedy decoding makes it the same number); None measures it.
+        until: stop after this step (None: ``config.max_steps``), to train one run in segments
+            (`sparsity_dynamics.probed_run` probes between them): with `checkpoint_dir`,
+            ``resume=True`` and the same config, the segments are the whole run, its held-out
+            evaluations included (every ``eval_every`` steps and at ``max_steps``, not at the
+            end of each segment). A checkpoint is also written after step `until`.
 
     Returns:
         history: one dict per step with the keys of `METRICS`; record 0 holds only the
@@ -264,6 +270,9 @@ def train(
         ``eval_every`` or the last step. Unmeasured values are None; ``kl`` is measured only
         when beta > 0. JSON-ready; ``pandas.DataFrame(history)`` makes a table of it.
     """
+    last = config.max_steps if until is None else until
+    if not 0 <= last <= config.max_steps:
+        raise ValueError(f"until must be in [0, max_steps = {config.max_steps}], got {until}")
     prompts, golds = build_prompts(tokenizer, train_data)
     answers = list(train_data["answer"])  # the worked solutions, for credit="process"
 
@@ -279,7 +288,7 @@ def train(
         history = [{**dict.fromkeys(METRICS), "step": 0, "eval_accuracy": before}]
 
     steps = tqdm(
-        range(len(history), config.max_steps + 1),
+        range(len(history), last + 1),
         desc="GRPO",
         disable=not progress,
         initial=len(history) - 1,
@@ -298,7 +307,7 @@ def train(
         if (
             checkpoint is not None
             and config.save_steps
-            and (step % config.save_steps == 0 or step == config.max_steps)
+            and (step % config.save_steps == 0 or step in (config.max_steps, last))
         ):
             save_checkpoint(checkpoint, model, optimizer, config, reference, history)
     return history
