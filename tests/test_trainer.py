@@ -493,11 +493,13 @@ def test_a_shared_initial_accuracy_changes_nothing(initial, data):
     assert runs[0] == runs[1]
 
 
-def test_segments_with_until_are_the_whole_run(initial, data, tmp_path):
+@pytest.mark.parametrize("save_steps", [2, 0])
+def test_segments_with_until_are_the_whole_run(initial, data, tmp_path, save_steps):
     """Training in segments (`until`, resuming from the checkpoint, as chapter 6's probed runs
     do) gives the history and weights of one unbroken run, held-out evaluations included: at
-    eval_every and max_steps, not at the end of every segment."""
-    config = replace(CONFIG, max_steps=5, eval_every=4, save_steps=2)  # beta 0: no reference
+    eval_every and max_steps, not at the end of every segment. Each segment's end is saved,
+    also without periodic checkpoints (save_steps 0)."""
+    config = replace(CONFIG, max_steps=5, eval_every=4, save_steps=save_steps)  # beta 0
     whole = copy.deepcopy(initial[0])
     expected = _train((whole, initial[1]), data, config)
     assert [r["step"] for r in expected if r["eval_accuracy"] is not None] == [0, 4, 5]

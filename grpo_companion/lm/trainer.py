@@ -261,7 +261,8 @@ def train(
             (`sparsity_dynamics.probed_run` probes between them): with `checkpoint_dir`,
             ``resume=True`` and the same config, the segments are the whole run, its held-out
             evaluations included (every ``eval_every`` steps and at ``max_steps``, not at the
-            end of each segment). A checkpoint is also written after step `until`.
+            end of each segment). A checkpoint is written after step `until` whatever
+            ``save_steps`` says: the next segment resumes from it.
 
     Returns:
         history: one dict per step with the keys of `METRICS`; record 0 holds only the
@@ -304,11 +305,9 @@ def train(
             record["eval_accuracy"] = evaluate()
         history.append(record)
         steps.set_postfix(reward=f"{record['reward']:.3f}", accuracy=_latest_accuracy(history))
-        if (
-            checkpoint is not None
-            and config.save_steps
-            and (step % config.save_steps == 0 or step in (config.max_steps, last))
-        ):
+        periodic = config.save_steps and (step % config.save_steps == 0 or step == config.max_steps)
+        ends_segment = until is not None and step == last
+        if checkpoint is not None and (periodic or ends_segment):
             save_checkpoint(checkpoint, model, optimizer, config, reference, history)
     return history
 
