@@ -282,3 +282,56 @@ def test_prompts_computed_once_per_group_give_generates_own_tokens(
         with seeded(seed, model.device):
             shared = _generate(model, ids, mask, config, prompts_per_call=len(prompts))
         assert torch.equal(shared, expected[:, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_group_shared_prompts_give_the_same_log_probs_and_gradient(policy, problems, temperature):
+    """`num_generations=G` runs each prompt once into a cache repeated for its G completions:
+    on left-padded prompts of different lengths, the log-probs and the gradient of a weighted
+    sum of them equal those of the plain pass over (B * G, P + T) tokens up to float32
+    rounding (measured about 2e-6 and 1.5e-6 relative on the warm-started model)."""
+    model, _ = policy
+    rollouts = _rollouts(policy, problems, temperature=temperature, compute_log_probs=False)
+    args = (rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask, temperature)
+    assert (rollouts.prompt_mask == 0).any()  # some prompts are padded
+    weights = torch.randn(
+        rollouts.completion_mask.shape, generator=torch.Generator().manual_seed(0)
+    )
+    results = []
+    for group_size in (1, NUM_GENERATIONS):
+        model.zero_grad(set_to_none=True)
+        log_probs = sequence_log_probs(model, *args, num_generations=group_size)
+        (weights * log_probs).sum().backward()
+        results.append((log_probs.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (plain, plain_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    assert (shared[rollouts.completion_mask == 0] == 0).all()
+    for grad, expected in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+    # The rollouts' own log-prob pass shares prompts too, in batches of whole groups.
+    for batch_size in (5, 64):
+        again = _rollouts(policy, problems, temperature=temperature, batch_size=batch_size)
+        with torch.no_grad():
+            expected = sequence_log_probs(
+                model, again.input_ids, again.attention_mask, again.completion_mask, temperature
+            )
+        torch.testing.assert_close(again.log_probs, expected, rtol=0, atol=1e-5)
+
+
+def test_group_shared_prompts_refuse_rows_that_are_not_groups(policy, problems):
+    model, _ = policy
+    rollouts = _rollouts(policy, problems, compute_log_probs=False)
+    ids, mask, completion_mask = (
+        rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="whole groups"):
+        sequence_log_probs(model, ids[:-1], mask[:-1], completion_mask[:-1], num_generations=4)
+    mixed = torch.arange(len(ids)).roll(1)  # each group's first row from another prompt
+    with pytest.raises(ValueError, match="share their prompt"):
+        sequence_log_probs(
+            model, ids[mixed], mask[mixed], completion_mask[mixed], num_generations=4
+        )
+    with pytest.raises(ValueError, match="causal_mask"):
+        sequence_log_probs(model, ids, mask, completion_mask, num_generations=4,
+                           inputs_embeds=torch.zeros(1))  # fmt: skip

@@ -24,8 +24,9 @@ How the log-probs are computed: by a second, teacher-forced forward pass over pr
 completion, `sequence_log_probs`, the very function the trainer differentiates. Reading
 them off ``generate``'s scores would save that pass, but the KV-cache path rounds
 differently from the training pass (and vLLM's kernels more so), and the PPO ratio
-pi / pi_old would start away from 1 for no reason. One forward pass over (B * G, P + T)
-tokens is cheap next to the T sequential steps of sampling, but not free (see
+pi / pi_old would start away from 1 for no reason. That pass runs each prompt once for its
+group (`completion_logits` with ``num_generations``), then its G completions over a repeated
+KV cache; it is cheap next to the T sequential steps of sampling, but not free (see
 ``benchmarks/rollout_throughput.py``): ``compute_log_probs=False`` skips it where pi_old's
 log-probs are not needed, as in an on-policy step (``num_iterations = 1``), whose ratio
 pi / pi_old is 1 by construction.
@@ -114,6 +115,7 @@ def sequence_log_probs(
     completion_mask: Tensor,
     temperature: float = 1.0,
     *,
+    num_generations: int = 1,
     causal_mask: Tensor | None = None,
     params: dict[str, Tensor] | None = None,
     inputs_embeds: Tensor | None = None,
@@ -124,6 +126,61 @@ def sequence_log_probs(
         input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
         completion_mask: (N, T), 1 on the completion tokens whose log-prob is wanted.
         temperature: the logits are divided by it, as when sampling.
+        num_generations, causal_mask, params, inputs_embeds: see `completion_logits`.
+
+    Returns:
+        log_probs: (N, T), log softmax(logits / temperature) at the given tokens, 0 where
+            ``completion_mask`` is 0; float32, or float64 for a float64 model. Differentiable
+            when grad is enabled; ``.sum(dim=1)`` is log pi(y | x) of each row.
+            Memory peaks at N * (T + 1) * vocab float32 logits: micro-batch large vocabularies.
+    """
+    logits = completion_logits(
+        model,
+        input_ids,
+        attention_mask,
+        completion_mask.shape[1],
+        num_generations=num_generations,
+        causal_mask=causal_mask,
+        params=params,
+        inputs_embeds=inputs_embeds,
+    )
+    return token_log_probs(logits, input_ids, completion_mask, temperature)
+
+
+def token_log_probs(
+    logits: Tensor, input_ids: Tensor, completion_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """(N, T) log softmax(logits / temperature) at the last T tokens of `input_ids`, 0 off
+    `completion_mask`; logits: (N, T, V) from `completion_logits`."""
+    if temperature != 1:  # else skip a copy of the largest activation
+        logits = logits / temperature
+    targets = input_ids[:, -completion_mask.shape[1] :]
+    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return torch.where(completion_mask.bool(), log_probs, 0.0)
+
+
+def completion_logits(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_length: int,
+    *,
+    num_generations: int = 1,
+    causal_mask: Tensor | None = None,
+    params: dict[str, Tensor] | None = None,
+    inputs_embeds: Tensor | None = None,
+) -> Tensor:
+    """(N, T, V) logits that predict the last T = `completion_length` tokens of each row.
+
+    Args:
+        input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
+        num_generations: G > 1 says the rows come in groups of G consecutive rows with the same
+            prompt (the first P columns, ids and mask), as rollouts do: each prompt then goes
+            through the model once, into a KV cache repeated for its G completions, and the
+            gradient reaches it summed over them. The same numbers as G = 1 up to rounding
+            (float32: about 1e-6 relative; tests/test_rollouts.py), at (B * P + N * T) token
+            positions instead of N * (P + T): a third less work for the trainer's update on
+            chapter 6's batches, half on chapter 11's (G = 8). Not with the arguments below.
         causal_mask: (N, 1, P + T, P + T) additive mask given to the model instead of
             ``attention_mask`` (which still sets the positions), e.g.
             ``gradients.causal_attention_mask``: what `torch.func.vmap` and float64 models need.
@@ -132,35 +189,67 @@ def sequence_log_probs(
             differentiate with respect to them).
 
     Returns:
-        log_probs: (N, T), log softmax(logits / temperature) at the given tokens, 0 where
-            ``completion_mask`` is 0; float32, or float64 for a float64 model. Differentiable
-            when grad is enabled; ``.sum(dim=1)`` is log pi(y | x) of each row.
-            Memory peaks at N * (T + 1) * vocab float32 logits: micro-batch large vocabularies.
+        logits: (N, T, V), at least float32 (a bfloat16 model's logits are upcast; float64
+        stays float64); position t predicts completion token t. Differentiable when grad is
+        enabled.
     """
-    completion_length = completion_mask.shape[1]
     # The positions `generate` gives left-padded rows: real tokens counted from 0. (RoPE sees
     # only relative positions, so this matters to rounding alone for Llama; not in general.)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    inputs = {
-        "input_ids": input_ids if inputs_embeds is None else None,
-        "attention_mask": attention_mask if causal_mask is None else causal_mask,
-        "position_ids": position_ids,
-        "logits_to_keep": completion_length + 1,  # the lm head only runs where it is needed
-    }
-    if inputs_embeds is not None:
-        inputs["inputs_embeds"] = inputs_embeds
-    if params:
-        logits = torch.func.functional_call(model, params, (), inputs).logits
+    if num_generations > 1:
+        if causal_mask is not None or params is not None or inputs_embeds is not None:
+            raise ValueError("num_generations > 1 takes no causal_mask, params or inputs_embeds")
+        logits = _shared_prompt_logits(
+            model, input_ids, attention_mask, position_ids, completion_length, num_generations
+        )
     else:
-        logits = model(**inputs).logits
-    # Logits at position t predict token t + 1; the last position predicts nothing here. At
-    # least float32 (a bfloat16 model's logits are upcast); float64 stays float64.
-    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1:  # else skip a copy of the largest activation
-        logits = logits / temperature
-    targets = input_ids[:, -completion_length:]
-    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return torch.where(completion_mask.bool(), log_probs, 0.0)
+        inputs = {
+            "input_ids": input_ids if inputs_embeds is None else None,
+            "attention_mask": attention_mask if causal_mask is None else causal_mask,
+            "position_ids": position_ids,
+            "logits_to_keep": completion_length + 1,  # the lm head only runs where needed
+        }
+        if inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        if params:
+            logits = torch.func.functional_call(model, params, (), inputs).logits
+        else:
+            logits = model(**inputs).logits
+        # Logits at position t predict token t + 1; the last position predicts nothing here.
+        logits = logits[:, :-1]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _shared_prompt_logits(
+    model, input_ids, attention_mask, position_ids, completion_length: int, group_size: int
+) -> Tensor:
+    """`completion_logits` with each group's prompt run once (its ``num_generations``)."""
+    num_rows, width = input_ids.shape
+    prompt_length = width - completion_length
+    if num_rows % group_size or prompt_length < 1:
+        raise ValueError(
+            f"num_generations = {group_size} needs whole groups and a prompt: got {num_rows} "
+            f"rows of {width} tokens, {completion_length} of them completion"
+        )
+    groups = num_rows // group_size
+    prompt = (slice(None, None, group_size), slice(None, prompt_length))
+    for tensor in (input_ids, attention_mask):
+        shape = (groups, group_size, prompt_length)
+        if not (tensor[:, :prompt_length].view(shape) == tensor[prompt].unsqueeze(1)).all():
+            raise ValueError(f"the rows of each group of {group_size} must share their prompt")
+    cache = DynamicCache(config=model.config)
+    # The last prompt position predicts the first completion token, for every row of the group.
+    first = model(input_ids=input_ids[prompt], attention_mask=attention_mask[prompt],
+                  position_ids=position_ids[prompt], cache=cache, use_cache=True,
+                  logits_to_keep=1).logits  # fmt: skip
+    first = first.repeat_interleave(group_size, dim=0)
+    if completion_length == 1:
+        return first
+    cache.batch_repeat_interleave(group_size)  # differentiable: the gradient sums over G
+    rest = model(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, prompt_length:-1], cache=cache,
+                 use_cache=True).logits  # fmt: skip
+    return torch.cat([first, rest], dim=1)
 
 
 @torch.no_grad()
@@ -252,9 +341,15 @@ def generate_rollouts(
     if compute_log_probs:
         input_ids, attention_mask = rollouts.input_ids, rollouts.attention_mask
         rollouts.log_probs = torch.zeros(completion_ids.shape, device=model.device)
-        for rows in torch.arange(len(texts), device=model.device).split(batch_size):
+        group_rows = max(1, batch_size // num_generations) * num_generations
+        for rows in torch.arange(len(texts), device=model.device).split(group_rows):
             rollouts.log_probs[rows] = sequence_log_probs(
-                model, input_ids[rows], attention_mask[rows], completion_mask[rows], temperature
+                model,
+                input_ids[rows],
+                attention_mask[rows],
+                completion_mask[rows],
+                temperature,
+                num_generations=num_generations,
             )
     return rollouts
 

@@ -12,7 +12,8 @@ One step of `train`, for a policy pi_theta and B = ``per_step_prompts`` prompts:
                     sampling without the resampling): their advantages are 0 anyway, but they
                     still count in the loss's normaliser;
     4. update:      ``num_iterations`` AdamW steps on the clipped surrogate + beta KL
-                    (``losses.grpo_loss``), log-probs from ``rollouts.sequence_log_probs``;
+                    (``losses.grpo_loss``), log-probs from ``rollouts.completion_logits``
+                    (each prompt through the model once for its group);
     5. record:      the metrics TRL logs, under TRL's names (`METRICS`), and, every
                     ``eval_every`` steps, the held-out greedy accuracy.
 
@@ -80,9 +81,15 @@ from grpo_companion.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, g
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.checkpoint import load_checkpoint, save_checkpoint
 from grpo_companion.lm.models import build_prompts
-from grpo_companion.lm.rollouts import generate_rollouts, greedy_accuracy, sequence_log_probs
+from grpo_companion.lm.rollouts import (
+    completion_logits,
+    generate_rollouts,
+    greedy_accuracy,
+    sequence_log_probs,
+    token_log_probs,
+)
 from grpo_companion.lm.steps import rollout_step_rewards
-from grpo_companion.lm.trainer_metrics import captured_logits, mean_entropy, rollout_metrics
+from grpo_companion.lm.trainer_metrics import mean_entropy, rollout_metrics
 
 # What every history record holds; None where a value was not measured at that step. The names
 # are those of TRL's logs (`trainer.state.log_history`) for the same quantities, except "step",
@@ -395,6 +402,9 @@ def grpo_step(
     loss_mask = completion_mask
     if config.mask_truncated_completions:
         loss_mask = completion_mask * ~rollouts.truncated.unsqueeze(1)
+    # Each prompt through the model once for its group when the micro-batches hold whole
+    # groups (`completion_logits`): the same gradient up to rounding, a third to half the work.
+    shared = config.num_generations if config.micro_batch_size % config.num_generations == 0 else 1
     ref_log_probs = None
     if reference is not None:
         with torch.no_grad():
@@ -406,6 +416,7 @@ def grpo_step(
                     attention_mask[batch],
                     completion_mask[batch],
                     config.temperature,
+                    num_generations=shared,
                 )
 
     # 4. num_iterations updates on this batch. Summing share * micro-batch loss over the
@@ -419,14 +430,16 @@ def grpo_step(
     for _ in range(num_updates):
         optimizer.zero_grad(set_to_none=True)
         for batch in micro_batches:
-            with captured_logits(model) as captured:
-                log_probs = sequence_log_probs(
-                    model,
-                    input_ids[batch],
-                    attention_mask[batch],
-                    completion_mask[batch],
-                    config.temperature,
-                )
+            logits = completion_logits(
+                model,
+                input_ids[batch],
+                attention_mask[batch],
+                completion_mask.shape[1],
+                num_generations=shared,
+            )
+            log_probs = token_log_probs(
+                logits, input_ids[batch], completion_mask[batch], config.temperature
+            )
             # TRL: on-policy, pi_old is the current policy itself, so rho = 1 exactly.
             old_log_probs = (
                 log_probs.detach() if config.num_iterations == 1 else rollouts.log_probs[batch]
@@ -451,7 +464,7 @@ def grpo_step(
                 value = stats["clip_ratio" if name == CLIP_METRICS[0] else name]
                 totals[name] += value * tokens / kept_tokens
             if tokens:
-                entropy = mean_entropy(captured[-1], loss_mask[batch], config.temperature)
+                entropy = mean_entropy(logits.detach(), loss_mask[batch], config.temperature)
                 totals["entropy"] += entropy * tokens / kept_tokens
         # The norm before clipping, as TRL logs it.
         totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(

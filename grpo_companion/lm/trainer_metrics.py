@@ -1,8 +1,6 @@
 """The metrics `trainer.grpo_step` records that do not come out of the loss: what TRL logs of a
 batch of rollouts, and the entropy of the policy at the completion tokens."""
 
-from contextlib import contextmanager
-
 import torch
 
 from grpo_companion.core.advantages import degenerate_fractions
@@ -35,31 +33,14 @@ def rollout_metrics(rollouts, scale_rewards: str) -> dict:
     }
 
 
-@contextmanager
-def captured_logits(model):
-    """Keep the logits of the model's forward passes inside the block.
-
-    `sequence_log_probs` returns only the sampled tokens' log-probs; the entropy needs the
-    whole distribution, which the same forward pass has already computed.
-    """
-    captured = []
-    handle = model.register_forward_hook(
-        lambda module, args, output: captured.append(output.logits.detach())
-    )
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
 @torch.no_grad()
 def mean_entropy(logits, completion_mask, temperature: float) -> float:
     """Mean entropy of softmax(logits / temperature) over the completion tokens.
 
-    logits: (N, T + 1, V) from `sequence_log_probs`'s forward pass (its last position predicts
-    nothing); completion_mask: (N, T).
+    logits: (N, T, V) from `rollouts.completion_logits`, the update's own forward pass;
+    completion_mask: (N, T).
     """
-    log_p = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
     entropy = -(log_p.exp() * log_p).sum(-1)  # (N, T)
     mask = completion_mask.to(entropy.dtype)
     return ((entropy * mask).sum() / mask.sum()).item()
