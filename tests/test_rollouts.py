@@ -309,6 +309,11 @@ def test_group_shared_prompts_give_the_same_log_probs_and_gradient(policy, probl
     assert (shared[rollouts.completion_mask == 0] == 0).all()
     for grad, expected in zip(shared_grads, plain_grads):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+    # A frozen copy (the trainer's KL reference) gives the policy's very numbers.
+    reference = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        frozen = sequence_log_probs(reference, *args, num_generations=NUM_GENERATIONS)
+    assert torch.equal(frozen, shared)
     # The rollouts' own log-prob pass shares prompts too, in batches of whole groups.
     for batch_size in (5, 64):
         again = _rollouts(policy, problems, temperature=temperature, batch_size=batch_size)

@@ -516,3 +516,19 @@ def test_segments_with_until_are_the_whole_run(initial, data, tmp_path, save_ste
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="until"):
         _train(copy.deepcopy(initial), data, config, until=6)
+
+
+def test_the_kl_term_has_no_gradient_while_the_policy_is_its_reference(policy, data):
+    """beta > 0, every group degenerate (advantages 0): at step 1 pi = pi_ref, so k3's gradient
+    is exactly 0 and the weights must not move: the frozen reference must round as the policy
+    does. (On SmolLM2-135M it did not while the shared-prompt pass gave the last prompt token
+    its own lm-head call, and AdamW turned a 1e-8 gradient into a full-size step; this batch
+    happens not to show that, test_rollouts.py's frozen-copy check does.)"""
+    config = replace(CONFIG, max_steps=1, beta=0.1)
+    model, tokenizer = policy
+    before = [p.detach().clone() for p in model.parameters()]
+    history = train(model, tokenizer, *data, config, reward_fn=lambda text, gold: 0.0,
+                    progress=False)  # fmt: skip
+    assert history[1]["frac_reward_zero_std"] == 1.0
+    assert history[1]["grad_norm"] == 0.0 and history[1]["kl"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -226,10 +226,10 @@ def _shared_prompt_logits(
     """`completion_logits` with each group's prompt run once (its ``num_generations``)."""
     num_rows, width = input_ids.shape
     prompt_length = width - completion_length
-    if num_rows % group_size or prompt_length < 1:
+    if num_rows % group_size or prompt_length < 2:
         raise ValueError(
-            f"num_generations = {group_size} needs whole groups and a prompt: got {num_rows} "
-            f"rows of {width} tokens, {completion_length} of them completion"
+            f"num_generations = {group_size} needs whole groups and a prompt of 2 tokens or more: "
+            f"got {num_rows} rows of {width} tokens, {completion_length} of them completion"
         )
     groups = num_rows // group_size
     prompt = (slice(None, None, group_size), slice(None, prompt_length))
@@ -237,19 +237,22 @@ def _shared_prompt_logits(
         shape = (groups, group_size, prompt_length)
         if not (tensor[:, :prompt_length].view(shape) == tensor[prompt].unsqueeze(1)).all():
             raise ValueError(f"the rows of each group of {group_size} must share their prompt")
+    # The prompts but their last token once, into a cache repeated for the G rows of each group
+    # (differentiable: the gradient reaching a prompt is summed over its G completions). The
+    # last prompt token, which predicts the first completion token, goes with the completions:
+    # the lm head then runs once, on (N, T) positions, as in the plain pass. (On a few rows it
+    # can round differently, e.g. for a copy of the model with frozen weights: the KL term
+    # would then have a gradient at pi = pi_ref.)
     cache = DynamicCache(config=model.config)
-    # The last prompt position predicts the first completion token, for every row of the group.
-    first = model(input_ids=input_ids[prompt], attention_mask=attention_mask[prompt],
-                  position_ids=position_ids[prompt], cache=cache, use_cache=True,
-                  logits_to_keep=1).logits  # fmt: skip
-    first = first.repeat_interleave(group_size, dim=0)
-    if completion_length == 1:
-        return first
-    cache.batch_repeat_interleave(group_size)  # differentiable: the gradient sums over G
-    rest = model(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, prompt_length:-1], cache=cache,
+    before_last = (slice(None, None, group_size), slice(None, prompt_length - 1))
+    model(input_ids=input_ids[before_last], attention_mask=attention_mask[before_last],
+          position_ids=position_ids[before_last], cache=cache, use_cache=True,
+          logits_to_keep=1)  # fmt: skip
+    cache.batch_repeat_interleave(group_size)
+    return model(input_ids=input_ids[:, prompt_length - 1 : -1],
+                 attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, prompt_length - 1 : -1], cache=cache,
                  use_cache=True).logits  # fmt: skip
-    return torch.cat([first, rest], dim=1)
 
 
 @torch.no_grad()
