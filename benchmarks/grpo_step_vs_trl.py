@@ -21,7 +21,9 @@ What one step does on each side:
         1 no log-prob pass for pi_old, whose log-probs are the update's own, detached);
         group advantages; the reference model's log-probs (no-grad forward pass, beta > 0);
         one forward and backward pass over the 128 completions (micro_batch_size 128) with
-        the entropy read off the same logits; gradient clipping; one AdamW step.
+        the entropy read off the same logits; gradient clipping; one AdamW step. Both
+        teacher-forced passes run each prompt once for its 8 completions
+        (`rollouts.completion_logits`), where TRL runs it 8 times.
   TRL   one step of `GRPOTrainer.train()` (per_device_train_batch_size 128 = 16 x 8,
         gradient_accumulation_steps 1): the dataloader's batch; prompts tokenized,
         `model.generate` (KV cache, all 128 in one call), decoding and rewards; group
