@@ -15,7 +15,8 @@ temperature 1 from the tiny Llama (`models.load_tiny_llama(TinyLlamaSpec())`, re
                 each prompt run through the model once for its group of 8
                 (`rollouts.generate_groups`: the very same tokens, checked), cuts each
                 completion at its first EOS, decodes, scores with `gsm8k.reward`, and runs the
-                teacher-forced log-prob pass (`sequence_log_probs`).
+                teacher-forced log-prob pass (`sequence_log_probs`, each prompt once for
+                its group there too).
   ours, no lp   the same with `compute_log_probs=False`, what the trainer's on-policy step
                 (num_iterations = 1) calls.
 
