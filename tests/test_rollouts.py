@@ -340,3 +340,32 @@ def test_group_shared_prompts_refuse_rows_that_are_not_groups(policy, problems):
     with pytest.raises(ValueError, match="causal_mask"):
         sequence_log_probs(model, ids, mask, completion_mask, num_generations=4,
                            inputs_embeds=torch.zeros(1))  # fmt: skip
+
+
+def test_group_shared_prompts_refuse_a_model_that_drops_the_cache(policy, problems):
+    """Activation (gradient) checkpointing in train mode makes transformers drop the KV cache:
+    the completions would run without their prompt, so it is refused."""
+    model, _ = policy
+    rollouts = _rollouts(policy, problems, compute_log_probs=False)
+    args = (rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.activation_checkpointing_enable()
+    checkpointed.train()
+    with pytest.raises(RuntimeError, match="did not fill the KV cache"):
+        sequence_log_probs(checkpointed, *args, num_generations=NUM_GENERATIONS)
+    # The plain pass is right there; a one-token prompt has nothing to share and takes it too.
+    plain = sequence_log_probs(checkpointed, *args)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain.detach(), sequence_log_probs(model, *args), atol=1e-5, rtol=0
+        )
+    one_token = (rollouts.input_ids[:, -9:], rollouts.attention_mask[:, -9:].clone(),
+                 rollouts.completion_mask[:, -8:])  # fmt: skip
+    one_token[1][:, 0] = 1
+    with torch.no_grad():
+        torch.testing.assert_close(
+            sequence_log_probs(model, *one_token, num_generations=NUM_GENERATIONS),
+            sequence_log_probs(model, *one_token),
+            rtol=0,
+            atol=0,
+        )

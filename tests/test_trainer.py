@@ -12,6 +12,7 @@ from grpo_companion.core.advantages import (
     group_advantages,
     process_advantages,
 )
+from grpo_companion.core.losses import grpo_loss
 from grpo_companion.lm import trainer
 from grpo_companion.lm.gsm8k import gold_answer, load_gsm8k
 from grpo_companion.lm.models import build_prompts
@@ -532,3 +533,25 @@ def test_the_kl_term_has_no_gradient_while_the_policy_is_its_reference(policy, d
     assert history[1]["frac_reward_zero_std"] == 1.0
     assert history[1]["grad_norm"] == 0.0 and history[1]["kl"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("micro_batch_size", [16, 8, 6])
+def test_several_updates_start_from_a_ratio_of_exactly_one(initial, data, micro_batch_size):
+    """num_iterations > 1: pi_old is the policy's log-probs before the first update from the very
+    pass the update makes (its micro-batches, prompts shared or not), so the first update's
+    ratio pi / pi_old is exactly 1, whether or not micro-batches hold whole groups (6 does not);
+    the second update's is not."""
+    config = replace(CONFIG, max_steps=1, num_iterations=2, micro_batch_size=micro_batch_size)
+    calls = []
+
+    def recording_loss(log_probs, old_log_probs, *args, **kwargs):
+        calls.append((log_probs.detach().clone(), old_log_probs.clone()))
+        return grpo_loss(log_probs, old_log_probs, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "grpo_loss", recording_loss)
+        _train(copy.deepcopy(initial), data, config)
+    micro_batches = -(-config.per_step_prompts * config.num_generations // micro_batch_size)
+    assert len(calls) == 2 * micro_batches
+    assert all(torch.equal(new, old) for new, old in calls[:micro_batches])
+    assert not all(torch.equal(new, old) for new, old in calls[micro_batches:])

@@ -132,7 +132,8 @@ def sequence_log_probs(
         log_probs: (N, T), log softmax(logits / temperature) at the given tokens, 0 where
             ``completion_mask`` is 0; float32, or float64 for a float64 model. Differentiable
             when grad is enabled; ``.sum(dim=1)`` is log pi(y | x) of each row.
-            Memory peaks at N * (T + 1) * vocab float32 logits: micro-batch large vocabularies.
+            Memory peaks at N * (T + 1) * vocab float32 logits (N * T with num_generations):
+            micro-batch large vocabularies.
     """
     logits = completion_logits(
         model,
@@ -178,9 +179,10 @@ def completion_logits(
             prompt (the first P columns, ids and mask), as rollouts do: each prompt then goes
             through the model once, into a KV cache repeated for its G completions, and the
             gradient reaches it summed over them. The same numbers as G = 1 up to rounding
-            (float32: about 1e-6 relative; tests/test_rollouts.py), at (B * P + N * T) token
+            (float32: about 1e-6 relative; tests/test_rollouts.py), at B * (P - 1) + N * T token
             positions instead of N * (P + T): a third less work for the trainer's update on
-            chapter 6's batches, half on chapter 11's (G = 8). Not with the arguments below.
+            chapter 6's batches, half on chapter 11's (G = 8). A one-token prompt takes the
+            plain pass. Not with the arguments below.
         causal_mask: (N, 1, P + T, P + T) additive mask given to the model instead of
             ``attention_mask`` (which still sets the positions), e.g.
             ``gradients.causal_attention_mask``: what `torch.func.vmap` and float64 models need.
@@ -196,6 +198,8 @@ def completion_logits(
     # The positions `generate` gives left-padded rows: real tokens counted from 0. (RoPE sees
     # only relative positions, so this matters to rounding alone for Llama; not in general.)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if num_generations > 1 and input_ids.shape[1] - completion_length < 2:
+        num_generations = 1  # a one-token prompt: nothing to share before its last token
     if num_generations > 1:
         if causal_mask is not None or params is not None or inputs_embeds is not None:
             raise ValueError("num_generations > 1 takes no causal_mask, params or inputs_embeds")
@@ -226,11 +230,8 @@ def _shared_prompt_logits(
     """`completion_logits` with each group's prompt run once (its ``num_generations``)."""
     num_rows, width = input_ids.shape
     prompt_length = width - completion_length
-    if num_rows % group_size or prompt_length < 2:
-        raise ValueError(
-            f"num_generations = {group_size} needs whole groups and a prompt of 2 tokens or more: "
-            f"got {num_rows} rows of {width} tokens, {completion_length} of them completion"
-        )
+    if num_rows % group_size:
+        raise ValueError(f"num_generations = {group_size} needs whole groups: got {num_rows} rows")
     groups = num_rows // group_size
     prompt = (slice(None, None, group_size), slice(None, prompt_length))
     for tensor in (input_ids, attention_mask):
@@ -240,14 +241,21 @@ def _shared_prompt_logits(
     # The prompts but their last token once, into a cache repeated for the G rows of each group
     # (differentiable: the gradient reaching a prompt is summed over its G completions). The
     # last prompt token, which predicts the first completion token, goes with the completions:
-    # the lm head then runs once, on (N, T) positions, as in the plain pass. (On a few rows it
-    # can round differently, e.g. for a copy of the model with frozen weights: the KL term
-    # would then have a gradient at pi = pi_ref.)
+    # the lm head then runs once, on (N, T) positions, as in the plain pass. (An lm-head call of
+    # its own on B rows rounded differently in a frozen copy of SmolLM2-135M, the KL reference,
+    # which gave the KL term a gradient at pi = pi_ref.)
     cache = DynamicCache(config=model.config)
     before_last = (slice(None, None, group_size), slice(None, prompt_length - 1))
     model(input_ids=input_ids[before_last], attention_mask=attention_mask[before_last],
           position_ids=position_ids[before_last], cache=cache, use_cache=True,
           logits_to_keep=1)  # fmt: skip
+    if cache.get_seq_length() != prompt_length - 1:
+        # e.g. gradient checkpointing in train mode: transformers then drops the cache, and
+        # the completions would run without their prompt.
+        raise RuntimeError(
+            "the model did not fill the KV cache (gradient checkpointing in train mode?): "
+            "use num_generations=1"
+        )
     cache.batch_repeat_interleave(group_size)
     return model(input_ids=input_ids[:, prompt_length - 1 : -1],
                  attention_mask=attention_mask[:, :-1],

@@ -26,9 +26,11 @@ optimizer update), followed by ``num_iterations`` full-batch updates. So with
 ``num_iterations = 1`` the two count steps alike. ``micro_batch_size`` (completions per
 forward-backward pass) is TRL's ``per_device_train_batch_size``. For every loss type but
 "bnpo" it changes memory, not the gradient: micro-batch losses are weighted by their share of
-the loss's normaliser. "bnpo" is TRL's (and verl's legacy "token-mean"): each micro-batch's
-token mean, averaged over the micro-batches, so there ``micro_batch_size`` changes the gradient
-whenever the micro-batches hold different numbers of tokens.
+the loss's normaliser. (And speed: micro-batches of whole groups, a multiple of
+``num_generations``, run each prompt once for its group, `rollouts.completion_logits`; the
+gradient is the same to float32 rounding.) "bnpo" is TRL's (and verl's legacy "token-mean"):
+each micro-batch's token mean, averaged over the micro-batches, so there ``micro_batch_size``
+changes the gradient whenever the micro-batches hold different numbers of tokens.
 ``rollout_batch_size`` is the same for sampling; it changes which random numbers each
 completion draws (not their distribution), so it is part of what a seed reproduces.
 
@@ -160,10 +162,8 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     num_iterations: int = 1  # mu, updates per batch of rollouts
-    micro_batch_size: int = 64  # completions per forward-backward pass; matters for "bnpo" only
-    rollout_batch_size: int = (
-        64  # completions per `generate` call and log-prob pass of the rollouts
-    )
+    micro_batch_size: int = 64  # completions per forward-backward pass; see the module docstring
+    rollout_batch_size: int = 64  # completions per `generate` call
     max_steps: int = 100
     # Bookkeeping
     eval_every: int = 10
@@ -372,8 +372,9 @@ def grpo_step(
         seed=rollout_seed(config.seed, step),
         batch_size=config.rollout_batch_size,
         reward_fn=reward_fn,
-        # On-policy, pi_old's log-probs are those of the update's own forward pass (below).
-        compute_log_probs=config.num_iterations > 1,
+        # pi_old's log-probs come from the update's own forward pass (below), or from a pass
+        # like it before the first update: never from the rollouts' own log-prob pass.
+        compute_log_probs=False,
     )
     rewards = rollouts.rewards  # (B, G)
 
@@ -404,12 +405,31 @@ def grpo_step(
         loss_mask = completion_mask * ~rollouts.truncated.unsqueeze(1)
     # Each prompt through the model once for its group when the micro-batches hold whole
     # groups (`completion_logits`): the same gradient up to rounding, a third to half the work.
-    shared = config.num_generations if config.micro_batch_size % config.num_generations == 0 else 1
+    # `kept` is whole groups in order, so a micro-batch is whole groups if its size says so.
+    micro_batches = kept.split(config.micro_batch_size)
+    whole_groups = all(len(batch) % config.num_generations == 0 for batch in micro_batches)
+    shared = config.num_generations if whole_groups else 1
+    # pi_old: with several updates on the batch, the policy's log-probs before the first, from
+    # the very pass the update makes (same micro-batches, same sharing), so that rho starts at
+    # exactly 1 as on-policy; with one update, the update's own (detached, below).
+    old_log_probs = None
+    if config.num_iterations > 1:
+        with torch.no_grad():
+            old_log_probs = torch.zeros(completion_mask.shape, device=completion_mask.device)
+            for batch in micro_batches:
+                old_log_probs[batch] = sequence_log_probs(
+                    model,
+                    input_ids[batch],
+                    attention_mask[batch],
+                    completion_mask[batch],
+                    config.temperature,
+                    num_generations=shared,
+                )
     ref_log_probs = None
     if reference is not None:
         with torch.no_grad():
             ref_log_probs = torch.zeros(completion_mask.shape, device=completion_mask.device)
-            for batch in kept.split(config.micro_batch_size):
+            for batch in micro_batches:
                 ref_log_probs[batch] = sequence_log_probs(
                     reference,
                     input_ids[batch],
@@ -425,7 +445,6 @@ def grpo_step(
     names = ("loss", "kl", *CLIP_METRICS, "entropy", "grad_norm")
     totals = dict.fromkeys(names, 0.0)
     kept_tokens = max(loss_mask[kept].sum().item(), 1)
-    micro_batches = kept.split(config.micro_batch_size)
     num_updates = config.num_iterations if len(kept) else 0  # every group filtered: no update
     for _ in range(num_updates):
         optimizer.zero_grad(set_to_none=True)
@@ -441,12 +460,10 @@ def grpo_step(
                 logits, input_ids[batch], completion_mask[batch], config.temperature
             )
             # TRL: on-policy, pi_old is the current policy itself, so rho = 1 exactly.
-            old_log_probs = (
-                log_probs.detach() if config.num_iterations == 1 else rollouts.log_probs[batch]
-            )
+            pi_old = log_probs.detach() if old_log_probs is None else old_log_probs[batch]
             loss, stats = grpo_loss(
                 log_probs,
-                old_log_probs,
+                pi_old,
                 None if ref_log_probs is None else ref_log_probs[batch],
                 advantages[batch],
                 loss_mask[batch],
