@@ -28,8 +28,8 @@ pi / pi_old would start away from 1 for no reason. That pass runs each prompt on
 group (`completion_logits` with ``num_generations``), then its G completions over a repeated
 KV cache; it is cheap next to the T sequential steps of sampling, but not free (see
 ``benchmarks/rollout_throughput.py``): ``compute_log_probs=False`` skips it where pi_old's
-log-probs are not needed, as in an on-policy step (``num_iterations = 1``), whose ratio
-pi / pi_old is 1 by construction.
+log-probs are not needed, as in the trainer, which takes pi_old from its own update pass
+(`trainer.grpo_step`).
 
 With ``top_p < 1`` the sampler renormalises over the nucleus; like TRL and vLLM we still
 report the log-probs of the untruncated tempered softmax, the distribution the policy

@@ -409,35 +409,26 @@ def grpo_step(
     micro_batches = kept.split(config.micro_batch_size)
     whole_groups = all(len(batch) % config.num_generations == 0 for batch in micro_batches)
     shared = config.num_generations if whole_groups else 1
+
     # pi_old: with several updates on the batch, the policy's log-probs before the first, from
     # the very pass the update makes (same micro-batches, same sharing), so that rho starts at
     # exactly 1 as on-policy; with one update, the update's own (detached, below).
-    old_log_probs = None
-    if config.num_iterations > 1:
+    def log_probs_without_grad(policy) -> torch.Tensor:  # (B * G, T), 0 on filtered rows
+        values = torch.zeros(completion_mask.shape, device=completion_mask.device)
         with torch.no_grad():
-            old_log_probs = torch.zeros(completion_mask.shape, device=completion_mask.device)
             for batch in micro_batches:
-                old_log_probs[batch] = sequence_log_probs(
-                    model,
+                values[batch] = sequence_log_probs(
+                    policy,
                     input_ids[batch],
                     attention_mask[batch],
                     completion_mask[batch],
                     config.temperature,
                     num_generations=shared,
                 )
-    ref_log_probs = None
-    if reference is not None:
-        with torch.no_grad():
-            ref_log_probs = torch.zeros(completion_mask.shape, device=completion_mask.device)
-            for batch in micro_batches:
-                ref_log_probs[batch] = sequence_log_probs(
-                    reference,
-                    input_ids[batch],
-                    attention_mask[batch],
-                    completion_mask[batch],
-                    config.temperature,
-                    num_generations=shared,
-                )
+        return values
+
+    old_log_probs = log_probs_without_grad(model) if config.num_iterations > 1 else None
+    ref_log_probs = None if reference is None else log_probs_without_grad(reference)
 
     # 4. num_iterations updates on this batch. Summing share * micro-batch loss over the
     # micro-batches gives exactly the loss of the whole batch, hence the same gradient ("bnpo":
