@@ -3,9 +3,10 @@ clear one-line error for a missing chapter, failed chapter, key or figure, the s
 claims.json), and the data, without running a chapter: every claim of `book/claims.toml` cites
 works of `book/references.bib` and reads only keys and figures its chapter declares in
 `book/results.toml`, every declared chapter exists, a renamed key fails in seconds, and every
-rule can fail for the right reason: each claim's example values that support it, contradict it
-and cannot decide it get three different verdicts. Also the exercises every chapter must end
-with."""
+rule can fail for the right reason: each claim's example values that support it, contradict it,
+cannot decide it, lie outside its regime or come from a run that did not learn get their
+verdicts, and only an explicit contradiction gives "not reproduced". Also the exercises every
+chapter must end with."""
 
 import json
 import re
@@ -16,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from grpo_companion.machinery.checks import evaluate_expression, expression_keys
+from grpo_companion.core.stats import interval_reading, interval_words
 from grpo_companion.machinery.claims import (
     EXAMPLES,
+    GATE_EXAMPLES,
+    TIERS,
     INCONCLUSIVE,
     NEEDS_SETUP,
     NOT_REPRODUCED,
@@ -59,6 +63,7 @@ RANK_CLAIM = Claim(
     source_value=2.0,
     reproduced=(near("min(effective_ranks)", 2.0, 0.5), near("max(effective_ranks)", 2.0, 0.5)),
     qualitatively=(Check("max(effective_ranks) - min(effective_ranks)", high=1.0),),
+    contradicted=(Check("max(effective_ranks) - min(effective_ranks)", high=1.0, outside=True),),
     requires={"model_name": "nvidia/Nemotron-Mini-4B-Instruct", "profile": "gpu"},
 )
 
@@ -131,6 +136,7 @@ def test_a_mismatched_setup_needs_no_value_of_the_missing_model():
 def test_a_registry_rule_on_hand_built_values():
     universal = next(claim for claim in CLAIMS if claim.id == "R_universal_group_size")
     values = {"rloo_best_group_size": 12, "best_group_size_min": 10.0}
+    values |= {"largest_budget": 4096, "smallest_budget": 64}
     for distinct, largest, verdict in [
         (1, 12.0, REPRODUCED),
         (1, 50.0, QUALITATIVE),
@@ -206,6 +212,7 @@ def test_claims_json_schema(tmp_path):
         figure="error_vs_samples",
         measured="error_slope",
         reproduced=(near("error_slope", -0.5, 0.1),),
+        contradicted=(near("error_slope", -0.5, 0.1, outside=True),),
     )
     build = write_build(
         tmp_path,
@@ -259,6 +266,8 @@ def test_claims_json_schema(tmp_path):
             "notes",
             "reason",
             "rules",
+            "predicted_value",
+            "prediction_how",
         }
         for check in row["checks"]["reproduced"] + row["checks"]["qualitatively"]:
             assert set(check) == {"expression", "rule", "value", "low", "high", "passed"}
@@ -313,11 +322,13 @@ def test_the_ledger_file_loads_every_claim_well_formed():
         assert claim.sources and set(claim.sources) <= cited, claim.id
         assert claim.statement and claim.notes and claim.reproduced
         assert claim.qualitatively != claim.reproduced
-        # each claim says when a run cannot decide it, or why none can, or what would decide it
-        ways = [bool(claim.inconclusive), bool(claim.never_inconclusive), bool(claim.pending)]
-        assert sum(ways) == 1, claim.id
+        # "not reproduced" needs an explicit contradiction; an exact identity has no gates
+        assert claim.contradicted or claim.pending, claim.id
+        assert not (claim.never_inconclusive and (claim.gates or claim.pending)), claim.id
+        assert all(name in ("regime", "learned", "comparator") for name, _ in claim.gates)
         ones = {key: _One(1.0) for key in claim.keys}
-        for check in (*claim.reproduced, *claim.qualitatively):
+        checks = [check for tier in TIERS for check in claim.checks(tier)]
+        for check in checks:
             assert check.low <= check.high and min(abs(check.low), abs(check.high)) < float("inf")
             evaluate_expression(check.expression, ones)  # the grammar accepts it
             evaluate_expression(claim.measured, ones)
@@ -436,7 +447,7 @@ def test_an_undefined_ratio_passes_no_check_and_is_recorded_as_none():
         qualitatively=(),
     )
     judged = judge(claim, results({"spread": 0.0, "noise": 0.0, "effective_ranks": [1.0]}, "cpu"))
-    assert judged["verdict"] == NOT_REPRODUCED
+    assert judged["verdict"] == INCONCLUSIVE  # 0/0 is no evidence, for or against
     assert judged["measured_value"] is None and judged["checks"]["reproduced"][0]["value"] is None
 
 
@@ -453,50 +464,134 @@ def example_results(claim: Claim, values: dict) -> dict:
     return results(values, first.get("profile", "cpu"), claim.chapter, [claim.figure])
 
 
+# The claims judged on training runs: each must gate on the regime and on the reference arm
+# having learned, so that neither a run outside the claim's regime nor one that did not move the
+# model reads as a contradiction.
+TRAINED = {
+    "P6_credit_bottleneck",
+    "P3_sparsity_grows",
+    "R_sign_beats_dr_grpo",
+    "P3_sparsity_grows_gsm8k",
+}
+
+
 def test_every_claim_carries_the_examples_its_kind_needs():
     for claim in CLAIMS:
+        gates = {name for name, _ in claim.gates}
         if claim.pending:
             wanted = {"underpowered"}
         elif claim.never_inconclusive:
             wanted = {"supporting", "contradicting"}
         else:
-            wanted = set(EXAMPLES)
+            wanted = {"supporting", "contradicting", "underpowered"}
+            wanted |= {name for name, gate in GATE_EXAMPLES.items() if gate in gates}
+        if claim.id in TRAINED:
+            assert {"regime", "learned"} <= gates, claim.id
         assert set(claim.examples) == wanted, claim.id
         for name, values in claim.examples.items():
             missing = [key for key in claim.keys if key not in values and key not in claim.requires]
             assert missing == [], f"{claim.id}: example {name} lacks {missing}"
 
 
+def _not_measured(values: dict) -> dict:
+    """An example's values with TOML's `nan` ("not measured") as a chapter records it: None."""
+    return {key: None if value != value else value for key, value in values.items()}
+
+
 @pytest.mark.parametrize("claim", CLAIMS, ids=[claim.id for claim in CLAIMS])
 def test_each_rule_gives_each_example_its_verdict(claim):
-    verdicts = {
-        name: judge(claim, example_results(claim, values))["verdict"]
+    judged = {
+        name: judge(claim, example_results(claim, _not_measured(values)))
         for name, values in claim.examples.items()
     }
+    verdicts = {name: row["verdict"] for name, row in judged.items()}
     if claim.pending:  # no experiment can decide it yet: inconclusive, with the reason
         assert verdicts == {"underpowered": INCONCLUSIVE}
-        judged = judge(claim, example_results(claim, claim.examples["underpowered"]))
-        assert judged["reason"] == claim.pending
+        assert judged["underpowered"]["reason"] == claim.pending
         return
     assert verdicts == {name: EXAMPLES[name] for name in claim.examples}
-    # the same rule on three kinds of evidence: a rule that cannot tell them apart is no test
-    assert len(set(verdicts.values())) == len(verdicts) >= 2
+    # each gate example is stopped by its own gate; the underpowered one by no gate at all
+    for name, gate in GATE_EXAMPLES.items():
+        if name in judged:
+            assert judged[name]["reason"].startswith(f"gate {gate}:"), (name, judged[name])
+    if "underpowered" in judged:
+        assert judged["underpowered"]["reason"] == "neither reproduced nor contradicted"
+    assert judged["contradicting"]["reason"].startswith("contradicted: ")
 
 
-def test_inconclusive_comes_before_a_vacuous_pass_and_names_its_reason():
+@pytest.mark.parametrize("claim", CLAIMS, ids=[claim.id for claim in CLAIMS])
+def test_missing_evidence_is_never_a_contradiction(claim):
+    """Every value the rule reads, not measured: no claim may read that as "not reproduced"."""
+    if claim.pending:
+        return
+    values = {key: None for key in claim.keys if key not in claim.requires}
+    verdict = judge(claim, example_results(claim, values))["verdict"]
+    assert verdict == INCONCLUSIVE
+
+
+def test_a_gate_comes_before_a_vacuous_pass_and_names_itself():
     claim = replace(
         RANK_CLAIM,
         requires={},
-        inconclusive=(Check("groups", high=0),),
+        gates=(("regime", Check("groups", low=1)),),
         reproduced=(Check("max(effective_ranks)", high=2.5),),
+        contradicted=(Check("max(effective_ranks)", high=2.5, outside=True),),
         qualitatively=(),
     )
     empty = judge(claim, results({"effective_ranks": [0.0], "groups": 0}, "cpu"))
-    assert empty["verdict"] == INCONCLUSIVE and empty["reason"] == "groups ≤ 0"
+    assert empty["verdict"] == INCONCLUSIVE
+    assert empty["reason"] == "gate regime: groups ≥ 1 failed"
+    assert empty["checks"]["gates"][0]["gate"] == "regime"
     measured = judge(claim, results({"effective_ranks": [2.1], "groups": 5}, "cpu"))
     assert measured["verdict"] == REPRODUCED and measured["reason"] == ""
     wrong = judge(claim, results({"effective_ranks": [6.0], "groups": 5}, "cpu"))
     assert wrong["verdict"] == NOT_REPRODUCED
+    assert wrong["reason"] == "contradicted: max(effective_ranks) > 2.5"
+    # neither supported nor contradicted (nothing measured): inconclusive, not a contradiction
+    unknown = judge(claim, results({"effective_ranks": [None], "groups": 5}, "cpu"))
+    assert unknown["verdict"] == INCONCLUSIVE
+    assert unknown["reason"] == "neither reproduced nor contradicted"
+
+
+def test_a_rule_that_both_reproduces_and_contradicts_is_refused():
+    claim = replace(
+        RANK_CLAIM,
+        requires={},
+        reproduced=(Check("x", high=2.0),),
+        contradicted=(Check("x", low=1.0),),
+    )
+    with pytest.raises(ClaimError, match="both reproduces and contradicts"):
+        judge(claim, results({"x": 1.5}, "cpu"))
+
+
+def test_outside_reads_as_the_negation_of_a_measured_check():
+    assert str(Check("x", high=2.0, outside=True)) == "x > 2"
+    assert str(Check("x", low=1.0, outside=True)) == "x < 1"
+    assert str(Check("x", 1.0, 2.0, outside=True)) == "x outside [1, 2]"
+    for value, holds in [(0.5, True), (1.5, False), (2.5, True), (None, False)]:
+        assert Check("x", 1.0, 2.0, outside=True).judge({"x": value})["passed"] is holds
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "predicted", "reading"),
+    [
+        (0.01, 0.2, 0.05, 1),  # above 0: supports the predicted rise
+        (-0.02, 0.03, 0.05, -1),  # holds 0, excludes the predicted 0.05: contradicts
+        (-0.2, 0.2, 0.05, 0),  # holds both: neither
+        (-0.3, -0.1, 0.05, -1),  # the other side of 0
+        (-0.2, -0.01, -0.05, 1),  # a predicted fall, seen
+        (None, None, 0.05, 0),  # one seed: no interval
+    ],
+)
+def test_the_ledger_and_the_chapters_read_an_interval_with_one_function(
+    low, high, predicted, reading
+):
+    assert interval_reading(low, high, predicted) == reading
+    values = {"low": low, "high": high, "predicted": predicted}
+    assert evaluate_expression("reading(low, high, predicted)", values) == reading
+    words = interval_words(low, high, predicted, supports="rises", contradicts="does not rise")
+    expected = {1: "rises", -1: "does not rise"}.get(reading)
+    assert words == (expected or "can neither support nor contradict the predicted effect")
 
 
 def test_known_and_missing_values_in_expressions():
@@ -524,8 +619,13 @@ def test_every_claim_has_a_key_equation_for_the_summary_page():
         "equation": r"a^2",
         "measured": "k",
         "measured_value": 0.5,
+        "prediction": "predicted_k",
+        "predicted_value": 0.25,
         "verdict": INCONCLUSIVE,
+        "reason": "gate regime: p ≥ 0.5 failed",
     }
-    lines = markdown_summary({"claims": [row, {**row, "equation": ""}]}).splitlines()
-    assert lines[2] == "| **X** ({doc}`05_credit`) | $a^2$ | `k` = 0.5 | **inconclusive** |"
+    lines = markdown_summary({"claims": [row, {**row, "prediction": ""}]}).splitlines()
+    # the verdict beside the claim's name, short enough to see without scrolling
+    assert lines[2] == "| **X** ({doc}`05_credit`) | {bdg-warning}`inconclusive: regime` | 0.25 | 0.5 |"
+    assert lines[3] == "| **X** ({doc}`05_credit`) | {bdg-warning}`inconclusive: regime` | — | 0.5 |"
     assert "| — |" in lines[3]

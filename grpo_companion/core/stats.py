@@ -108,3 +108,40 @@ def slope_of_means(x, means, standard_errors, confidence: float = 0.95) -> dict:
         return {"mean": slope, "low": None, "high": None}
     half = stats.norm.ppf((1 + confidence) / 2) * np.sqrt(centred**2 @ errors**2) / scale
     return {"mean": slope, "low": float(slope - half), "high": float(slope + half)}
+
+
+SUPPORTS, UNDECIDED, CONTRADICTS = 1, 0, -1
+
+
+def interval_reading(low, high, predicted) -> int:
+    """How a 95% interval [low, high] of an effect reads against the effect `predicted` for this
+    setting (non-zero; its sign is the direction the claim predicts). SUPPORTS (1): the interval
+    lies beyond 0 on the predicted side. CONTRADICTS (-1): it does not, and it excludes the
+    predicted effect (it lies short of it, or on the other side of 0). UNDECIDED (0): it holds
+    both 0 and the predicted effect, or there is no interval (None or NaN: one seed).
+
+    The ledger's rules (`reading(...)` in a check) and the chapters' sentences (`interval_words`)
+    both come from this one comparison.
+    """
+    values = (low, high, predicted)
+    if any(v is None or not np.isfinite(v) for v in values) or predicted == 0:
+        return UNDECIDED
+    if predicted < 0:  # read a predicted fall as a rise of the negated effect
+        low, high, predicted = -high, -low, -predicted
+    if low > 0:
+        return SUPPORTS
+    if high < predicted:
+        return CONTRADICTS
+    return UNDECIDED
+
+
+def interval_words(low, high, predicted, supports: str, contradicts: str) -> str:
+    """`interval_reading` in words: `supports` or `contradicts` (the chapter's phrasing), or
+    "can neither support nor contradict the predicted effect" (no interval, or one holding both
+    0 and the prediction)."""
+    reading = interval_reading(low, high, predicted)
+    if reading == SUPPORTS:
+        return supports
+    if reading == CONTRADICTS:
+        return contradicts
+    return "can neither support nor contradict the predicted effect"

@@ -2,13 +2,18 @@
 recorded values, parsed and never `eval`ed: numbers, result keys, subscripts
 (`ranks["tiny-llama"]["8"]`), + - * / **, the functions of `FUNCTIONS`, and `known(x)`: 1 when
 x is a finite number, 0 when it is missing (an absent subscript), None or NaN, so that a rule can
-say "the run measured nothing" (a model with no mixed group has no effective rank to record).
-A value that was not measured is NaN elsewhere, and NaN passes no check."""
+say "the run measured nothing" (a model with no mixed group has no effective rank to record),
+and `reading(low, high, predicted)`: how an interval reads against the predicted effect (+1
+supports, -1 contradicts, 0 neither; `core.stats.interval_reading`, the function the chapters'
+sentences use). A value that was not measured is NaN elsewhere, and NaN passes no check, nor
+its negation (`outside`): missing evidence is never a contradiction."""
 
 import ast
 import math
 import operator
 from dataclasses import dataclass
+
+from grpo_companion.core.stats import interval_reading
 
 
 def _nan_aware(reduce):
@@ -22,7 +27,18 @@ def _nan_aware(reduce):
     return function
 
 
-FUNCTIONS = {"abs": abs, "min": _nan_aware(min), "max": _nan_aware(max), "len": len, "sum": sum}
+def _reading(low, high, predicted) -> float:
+    return float(interval_reading(*(None if math.isnan(v) else v for v in (low, high, predicted))))
+
+
+FUNCTIONS = {
+    "abs": abs,
+    "min": _nan_aware(min),
+    "max": _nan_aware(max),
+    "len": len,
+    "sum": sum,
+    "reading": _reading,
+}
 OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -94,13 +110,21 @@ def finite(value: float) -> float | None:
 
 @dataclass(frozen=True)
 class Check:
-    """`low <= expression <= high`, the expression over one chapter's recorded values."""
+    """`low <= expression <= high`, the expression over one chapter's recorded values; with
+    `outside`, the value was measured and lies outside those bounds (a contradiction)."""
 
     expression: str
     low: float = -math.inf
     high: float = math.inf
+    outside: bool = False
 
     def __str__(self) -> str:
+        if self.outside:
+            if self.low == -math.inf:
+                return f"{self.expression} > {self.high:g}"
+            if self.high == math.inf:
+                return f"{self.expression} < {self.low:g}"
+            return f"{self.expression} outside [{self.low:g}, {self.high:g}]"
         if self.low == -math.inf:
             return f"{self.expression} ≤ {self.high:g}"
         if self.high == math.inf:
@@ -118,11 +142,12 @@ class Check:
             "value": finite(value),
             "low": finite(self.low),
             "high": finite(self.high),
-            "passed": self.low <= value <= self.high,
+            "passed": (not math.isnan(value)) and (self.low <= value <= self.high) != self.outside,
         }
 
 
-def near(expression: str, target: float, tolerance: float) -> Check:
-    """`expression` within `tolerance` of `target` (a source's number, or a theoretical value)."""
+def near(expression: str, target: float, tolerance: float, outside: bool = False) -> Check:
+    """`expression` within `tolerance` of `target` (a source's number, or a theoretical value);
+    with `outside`, measured and farther than `tolerance` from it."""
     sign = "+" if target < 0 else "-"
-    return Check(f"abs({expression} {sign} {abs(target)!r})", high=tolerance)
+    return Check(f"abs({expression} {sign} {abs(target)!r})", high=tolerance, outside=outside)

@@ -1,20 +1,17 @@
 """The claims ledger engine: load the claims of `book/claims.toml`, judge each on the values its
 chapter recorded (`_build/results/<chapter>.json`), render the ledger.
 
-A claim cites works by key of `book/references.bib` and carries its verdict rule: checks, each an
-expression over the recorded values with bounds (`machinery/checks.py`). The verdict is
-"needs hardware or data this run lacked" when the run's setup (`profile`, or a recorded value
-such as `model_name`) is not the claim's `requires`; else "inconclusive" when the claim is
-`pending` (the experiment that could decide it is not in the book yet: the reason is given) or
-when any check of `inconclusive` holds (the run could not show the effect either way: an
-interval wider than the effect, or a run that never entered the regime the claim is about);
-else "reproduced" when every check of `reproduced` holds, "reproduced qualitatively" when every
-check of the looser, optional `qualitatively` holds, and "not reproduced", a measurement that
-contradicts the claim, otherwise. A claim that no run can leave undecided (an exact identity)
-says why in `never_inconclusive` instead. Each claim carries `examples`, recorded values that
-support it, contradict it and cannot decide it (tests/test_claims.py judges all three). A claim
-whose chapter has no results, failed in its last run, or lacks a key or figure the claim names
-raises a one-line `ClaimError`.
+A claim cites works by key of `book/references.bib` and carries its verdict rule, checks over the
+recorded values (`machinery/checks.py`), judged in this order: "needs hardware or data this run
+lacked" when the run's setup (`profile`, or a recorded value such as `model_name`) is not the
+claim's `requires`; "inconclusive" when the claim is `pending` or one of its `gates` fails (the
+run is outside the claim's regime, its reference arm did not learn: the reason names the gate);
+"reproduced" when every `reproduced` check holds; "reproduced qualitatively" when every
+`qualitatively` check holds; "not reproduced" only when a `contradicted` check holds; and
+"inconclusive" otherwise (neither supported nor contradicted). A claim whose thresholds compare
+with an effect size names the recorded `prediction` they come from. Each claim carries
+`examples` the rule must judge (tests/test_claims.py). A claim whose chapter has no results,
+failed in its last run, or lacks a key or figure the claim names raises a one-line `ClaimError`.
 """
 
 import json
@@ -39,15 +36,23 @@ NOT_REPRODUCED = "not reproduced"
 INCONCLUSIVE = "inconclusive"
 NEEDS_SETUP = "needs hardware or data this run lacked"
 VERDICTS = (REPRODUCED, QUALITATIVE, INCONCLUSIVE, NOT_REPRODUCED, NEEDS_SETUP)
-# The example sets of a claim, by the verdict each must get.
-EXAMPLES = {"supporting": REPRODUCED, "contradicting": NOT_REPRODUCED, "underpowered": INCONCLUSIVE}
+# The example sets of a claim, by the verdict each must get (and, for the last two, the gate
+# whose failure must give it).
+EXAMPLES = {
+    "supporting": REPRODUCED,
+    "contradicting": NOT_REPRODUCED,
+    "underpowered": INCONCLUSIVE,
+    "out_of_regime": INCONCLUSIVE,
+    "no_learning": INCONCLUSIVE,
+}
+GATE_EXAMPLES = {"out_of_regime": "regime", "no_learning": "learned"}
 
 
 class ClaimError(Exception):
     """A claim that cannot be loaded or judged: its chapter, result key or figure is missing."""
 
 
-TIERS = ("reproduced", "qualitatively", "inconclusive")
+TIERS = ("gates", "reproduced", "qualitatively", "contradicted")
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,10 @@ class Claim:
     figure: str
     measured: str
     reproduced: tuple[Check, ...]
+    contradicted: tuple[Check, ...] = ()
     qualitatively: tuple[Check, ...] = ()
-    inconclusive: tuple[Check, ...] = ()
+    gates: tuple[tuple[str, Check], ...] = ()  # (name, check): each must hold
+    prediction: str = ""  # the recorded key of the effect the thresholds compare with
     never_inconclusive: str = ""
     pending: str = ""
     source_value: float | None = None
@@ -73,24 +80,41 @@ class Claim:
     notes: str = ""
     examples: dict = field(default_factory=dict)
 
+    def checks(self, tier: str) -> tuple[Check, ...]:
+        """The checks of one tier, the gates without their names."""
+        rows = getattr(self, tier)
+        return tuple(check for _, check in rows) if tier == "gates" else rows
+
     @property
     def keys(self) -> list[str]:
-        checks = self.reproduced + self.qualitatively + self.inconclusive
-        expressions = [self.measured, *(check.expression for check in checks)]
+        checks = [check for tier in TIERS for check in self.checks(tier)]
+        predicted = [self.prediction] if self.prediction else []
+        expressions = [self.measured, *predicted, *(check.expression for check in checks)]
         keys = [key for expression in expressions for key in expression_keys(expression)]
         return list(dict.fromkeys(keys + [key for key in self.requires if key != "profile"]))
 
 
 def _check(row: dict, tolerances: dict) -> Check:
-    """`{expression, low?, high?}` or `{near, target, within}`; a bound may name a tolerance."""
+    """`{expression, low?, high?}` or `{near, target, within}`, either with `outside = true`;
+    a bound may name a tolerance."""
 
     def bound(value) -> float:
         return tolerances[value] if isinstance(value, str) else float(value)
 
+    unknown = set(row) - {"expression", "low", "high", "near", "target", "within", "outside"}
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)} in check {row}")
+    outside = bool(row.get("outside", False))
     if "near" in row:
-        return near(row["near"], row["target"], bound(row["within"]))
+        return near(row["near"], row["target"], bound(row["within"]), outside)
     low, high = bound(row.get("low", -math.inf)), bound(row.get("high", math.inf))
-    return Check(row["expression"], low, high)
+    return Check(row["expression"], low, high, outside)
+
+
+def _gate(row: dict, tolerances: dict) -> tuple[str, Check]:
+    """`{gate = name, ...a check}`: the gate passes when the check holds."""
+    row = dict(row)
+    return row.pop("gate"), _check(row, tolerances)
 
 
 def load_tolerances(path: Path) -> dict[str, float]:
@@ -107,7 +131,11 @@ def load_claims(path: Path) -> tuple[Claim, ...]:
     for row in data["claims"]:
         try:
             rules = {
-                tier: tuple(_check(c, tolerances) for c in row.get(tier, ())) for tier in TIERS
+                tier: tuple(
+                    (_gate if tier == "gates" else _check)(c, tolerances)
+                    for c in row.get(tier, ())
+                )
+                for tier in TIERS
             }
             claims.append(Claim(**{**row, **rules, "sources": tuple(row["sources"])}))
         except (KeyError, TypeError, ValueError) as error:
@@ -117,7 +145,9 @@ def load_claims(path: Path) -> tuple[Claim, ...]:
 
 def judge(claim: Claim, results: dict) -> dict:
     """The verdict of `claim` on one chapter's results (the JSON of `ChapterReport.write`),
-    with the measured value and every check's value. The keys must be present."""
+    with its reason, the measured value, the prediction and every check's value. The keys must
+    be present. Raises `ClaimError` when the results both reproduce and contradict the claim (a
+    defect of the rule)."""
     values = results["values"]
     setup = {key: results["profile"] if key == "profile" else values[key] for key in claim.requires}
     mismatched = {
@@ -128,27 +158,43 @@ def judge(claim: Claim, results: dict) -> dict:
     # Another setup's numbers say nothing about the claim, and may not exist at all (the value
     # of a model the run did not load): then nothing is measured, nothing is checked.
     checks = {
-        tier: [] if mismatched else [check.judge(values) for check in getattr(claim, tier)]
+        tier: [] if mismatched else [check.judge(values) for check in claim.checks(tier)]
         for tier in TIERS
     }
-    holds = {tier: all(row["passed"] for row in rows) for tier, rows in checks.items()}
-    undecided = [row["rule"] for row in checks["inconclusive"] if row["passed"]]
-    reason = claim.pending or "; ".join(undecided)
+    for (name, _), row in zip(claim.gates, checks["gates"]):
+        row["gate"] = name
+    failed_gates = [f"gate {row['gate']}: {row['rule']} failed" for row in checks["gates"]]
+    failed_gates = [text for text, row in zip(failed_gates, checks["gates"]) if not row["passed"]]
+    holds = {tier: all(row["passed"] for row in checks[tier]) for tier in TIERS}
+    contradictions = [row["rule"] for row in checks["contradicted"] if row["passed"]]
+    if holds["reproduced"] and contradictions and not (mismatched or claim.pending or failed_gates):
+        raise ClaimError(
+            f"claim {claim.id}: the rule both reproduces and contradicts: {contradictions[0]}"
+        )
+    reason = ""
     if mismatched:
-        verdict, reason = NEEDS_SETUP, ""
-    elif reason:
-        verdict = INCONCLUSIVE
+        verdict = NEEDS_SETUP
+    elif claim.pending:
+        verdict, reason = INCONCLUSIVE, claim.pending
+    elif failed_gates:
+        verdict, reason = INCONCLUSIVE, failed_gates[0]
     elif holds["reproduced"]:
         verdict = REPRODUCED
     elif claim.qualitatively and holds["qualitatively"]:
         verdict = QUALITATIVE
+    elif contradictions:
+        verdict, reason = NOT_REPRODUCED, f"contradicted: {contradictions[0]}"
     else:
-        verdict = NOT_REPRODUCED
+        verdict, reason = INCONCLUSIVE, "neither reproduced nor contradicted"
     measured = None if mismatched else _measured(claim.measured, values)
+    predicted = None if mismatched or not claim.prediction else _measured(claim.prediction, values)
+    how = values.get(f"{claim.prediction}_how", "") if claim.prediction and not mismatched else ""
     return {
         "verdict": verdict,
         "reason": reason,
         "measured_value": measured,
+        "predicted_value": predicted,
+        "prediction_how": how,
         "checks": checks,
         "setup_mismatch": mismatched,
     }
@@ -162,17 +208,16 @@ def _measured(expression: str, values: dict) -> float | None:
 
 
 def rules(claim: Claim) -> dict[str, str]:
-    """The claim's conditions as text: "reproduced" (every check), "qualitatively" (every
-    check, or ""), "inconclusive" (any check, or why it cannot be, or the pending reason)."""
+    """The claim's conditions as text: "gates" (each must hold, by name), "reproduced" (every
+    check), "qualitatively" (every check, or ""), "contradicted" (any check, or why no run can
+    leave the claim undecided), and "pending" (the experiment that could decide it, or "")."""
     text = {
-        tier: " and ".join(f"`{check}`" for check in getattr(claim, tier)) for tier in TIERS[:2]
+        tier: " and ".join(f"`{check}`" for check in claim.checks(tier))
+        for tier in ("reproduced", "qualitatively")
     }
-    undecided = " or ".join(f"`{check}`" for check in claim.inconclusive)
-    if claim.pending:
-        undecided = f"always until: {claim.pending}"
-    elif claim.never_inconclusive:
-        undecided = f"never: {claim.never_inconclusive}"
-    return text | {"inconclusive": undecided}
+    gates = " and ".join(f"{name}: `{check}`" for name, check in claim.gates)
+    contradicted = " or ".join(f"`{check}`" for check in claim.contradicted)
+    return text | {"gates": gates, "contradicted": contradicted, "pending": claim.pending}
 
 
 def chapter_results(build_dir: Path, claim: Claim) -> dict:
@@ -206,7 +251,7 @@ def ledger(build_dir: Path, claims) -> dict:
         row = {
             key: value
             for key, value in asdict(claim).items()
-            if key not in (*TIERS, "examples", "never_inconclusive")
+            if key not in (*TIERS, "examples")
         } | {"rules": rules(claim)}
         rows.append(
             row
@@ -247,18 +292,37 @@ def _number(value) -> str:
 
 
 CONDITIONS = {
+    "pending": "pending until",
+    "gates": "judged only if",
     "reproduced": "reproduced if",
     "qualitatively": "qualitatively if",
-    "inconclusive": "inconclusive if",
+    "contradicted": "not reproduced if",
+}
+# sphinx-design's badge roles, one colour per verdict.
+BADGES = {
+    REPRODUCED: "bdg-success",
+    QUALITATIVE: "bdg-info",
+    INCONCLUSIVE: "bdg-warning",
+    NOT_REPRODUCED: "bdg-danger",
+    NEEDS_SETUP: "bdg-secondary",
 }
 
 
+def verdict_badge(row: dict) -> str:
+    """The verdict as a coloured badge, with the gate that stopped it (`inconclusive: regime`)."""
+    label = row["verdict"]
+    if row["reason"].startswith("gate "):
+        label += ": " + row["reason"].removeprefix("gate ").split(":")[0]
+    return f"{{{BADGES[row['verdict']]}}}`{label}`"
+
+
 def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
-    """The ledger as a MyST table: each row cites its sources (`{cite:p}`, sphinxcontrib-bibtex)
-    and links its chapter (`{doc}`) and its figure's PNG (a local link, which Sphinx checks)."""
+    """The full ledger as a MyST table: each row cites its sources (`{cite:p}`,
+    sphinxcontrib-bibtex), links its chapter (`{doc}`) and its figure's PNG (a local link, which
+    Sphinx checks), and states its rule and key equation."""
     lines = [
-        "| claim | verdict | measured | conditions | source reports | source | tested in "
-        "| profile, model |",
+        "| claim | verdict | measured, predicted | conditions | source reports | source "
+        "| tested in | profile, model |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in table["claims"]:
@@ -269,9 +333,13 @@ def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
             for tier, label in CONDITIONS.items()
             if row["rules"][tier]
         )
+        equation = f"${row['equation']}$: " if row["equation"] else ""
+        predicted = ""
+        if row.get("prediction"):
+            predicted = f"; predicted `{row['prediction']}` = {_number(row['predicted_value'])}"
         lines.append(
-            f"| **{row['id']}**: {_cell(row['statement'])} | {verdict} "
-            f"| `{row['measured']}` = {_number(row['measured_value'])} | {conditions} "
+            f"| **{row['id']}**: {equation}{_cell(row['statement'])} | {verdict} "
+            f"| `{row['measured']}` = {_number(row['measured_value'])}{predicted} | {conditions} "
             f"| {_number(row['source_value'])} | {{cite:p}}`{','.join(row['sources'])}` "
             f"| {{doc}}`{row['chapter']}`, figure [{row['figure']}]({figure}) "
             f"| {row['profile']}, {row['model_name'] or 'no model'} |"
@@ -280,16 +348,23 @@ def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
 
 
 def markdown_summary(table: dict) -> str:
-    """One line per claim for the book's one-page summary: the claim, its key equation, the
-    measured value and the verdict (a MyST table; the equation is inline math)."""
-    lines = ["| claim | key equation | measured | verdict |", "|---|---|---|---|"]
+    """One short line per claim, every verdict visible without scrolling: the claim's name and
+    chapter, its verdict as a badge, the prediction this setting makes and the measurement (a
+    MyST table; equations, rules and sources are in the full ledger)."""
+    lines = ["| claim | verdict | predicted | measured |", "|---|---|---|---|"]
     for row in table["claims"]:
-        equation = f"${row['equation']}$" if row["equation"] else "—"
+        predicted = "—"
+        if row.get("prediction"):
+            predicted = _number(row.get("predicted_value"))
         lines.append(
-            f"| **{row['id']}** ({{doc}}`{row['chapter']}`) | {equation} "
-            f"| `{row['measured']}` = {_number(row['measured_value'])} | **{row['verdict']}** |"
+            f"| **{row['id']}** ({{doc}}`{row['chapter']}`) | {verdict_badge(row)} "
+            f"| {predicted} | {_number(row['measured_value'])} |"
         )
     return "\n".join(lines)
+
+
+def _tier_label(tier: str, check: dict) -> str:
+    return f"gate {check['gate']}" if tier == "gates" else tier
 
 
 def markdown_checks(table: dict) -> str:
@@ -298,10 +373,14 @@ def markdown_checks(table: dict) -> str:
     for row in table["claims"]:
         for tier, checks in row["checks"].items():
             lines += [
-                f"| {row['id']} | {tier} | `{check['rule']}` | {_number(check['value'])} "
+                f"| {row['id']} | {_tier_label(tier, check)} "
+                f"| `{check['rule']}` | {_number(check['value'])} "
                 f"| {'yes' if check['passed'] else 'no'} |"
                 for check in checks
             ]
     lines.append("")
-    lines += [f"- **{row['id']}**: {row['notes']}" for row in table["claims"] if row["notes"]]
+    for row in table["claims"]:
+        how = f" Prediction: {row['prediction_how']}" if row.get("prediction_how") else ""
+        if row["notes"] or how:
+            lines.append(f"- **{row['id']}**: {row['notes']}{how}")
     return "\n".join(lines)
