@@ -333,6 +333,9 @@ def test_kl_gradient_table_and_records():
     # On three tokens the per-token gradients are not the sequence KLs'.
     assert table.loc["k2", "relative gap to the sequence KL's, min"] > 1e-3
     assert table.loc["k3", "relative gap to the sequence KL's, min"] > 1e-2
+    # k1's mean gradient is 0: its gap to the gradient of KL(pi || ref) is the whole of it.
+    assert table.loc["k1", "relative gap to the sequence KL's, min"] == pytest.approx(1, abs=1e-12)
+    assert table.loc["k1", "max"] == pytest.approx(1, abs=1e-12)
     # Near the reference the two KLs' gradients nearly agree; far from it they do not.
     assert forward_reverse[0] < 0.05 < 0.5 < forward_reverse[1]
     logits = ref_logits + 2.0 * direction

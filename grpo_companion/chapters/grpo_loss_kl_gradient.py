@@ -107,7 +107,8 @@ def kl_gradient_table(
     """Per loss of `KL_GRADIENT_LOSSES`, over the policies ref_logits + scale * direction: the
     largest error of its mean gradient against its per-token KL's gradient (against 0 for k1),
     and its smallest and largest gap to the same sequence KL's gradient, relative to that
-    gradient's norm (k1: to grad KL(pi || ref)'s).
+    gradient's norm (k1, whose mean gradient is 0: to grad KL(pi || ref), the KL the objective is
+    written with, so its gap is 1).
 
     Also returns, per scale, ||grad KL(ref || pi) - grad KL(pi || ref)|| / ||grad KL(pi || ref)||
     for the sequence KLs: how much the direction of the KL matters there."""
@@ -123,10 +124,9 @@ def kl_gradient_table(
         for loss, (*_, kl) in KL_GRADIENT_LOSSES.items():
             gradient = expected_kl_gradient(policy, logits, ref_logits, loss)
             token = targets[(kl, "per token")] if kl else torch.zeros_like(gradient)
-            sequence = targets[(kl, "sequence")] if kl else torch.zeros_like(gradient)
+            sequence = targets[(kl or REVERSE, "sequence")]
             errors[loss] = max(errors[loss], float((gradient - token).abs().max()))
-            norm = targets[(kl or REVERSE, "sequence")].norm()
-            gaps[loss].append(float((gradient - sequence).norm() / norm))
+            gaps[loss].append(float((gradient - sequence).norm() / sequence.norm()))
     table = pd.DataFrame(
         {
             "mean gradient: per token, that of": [
