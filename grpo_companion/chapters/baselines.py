@@ -70,8 +70,10 @@ log pi_ref(y_t | .), is differentiated through log pi: grad k = sum_t k'(x_t) s_
 the baseline. For k1, k' = 1 and E[grad k1] = E[s] = 0: no expected gradient at all. For k3,
 k' = 1 - pi_ref / pi,
 E[grad k3] = -sum_t E_{y<t ~ pi}[sum_a pi_ref(a | .) grad log pi(a | .)]: the gradient of the
-per-token KL(pi_ref || pi) at the policy's own contexts, held fixed: the reverse direction, and
-not the gradient of the sequence-level KL(pi || pi_ref).
+per-token KL(pi_ref || pi) at the policy's own contexts, held fixed: the forward direction
+(chapter 3's name for it), and not the gradient of the sequence-level KL(pi || pi_ref). This is
+k3 without the ratio (TRL's use_bias_correction_kl=False); TRL 1.16's default multiplies k3 by
+pi / pi_old, whose gradient at pi = pi_old follows the per-token reverse KL(pi || pi_ref).
 """
 
 import torch
