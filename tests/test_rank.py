@@ -17,30 +17,50 @@ from grpo_companion.chapters.rank import (
     centroid_difference,
     class_sums,
     disjoint_groups,
+    factorial_advantages,
+    factorial_frame,
+    factorial_grams,
     graded_reward,
     group_candidate_grams,
     group_gradient_gram,
     group_gradient_ranks,
     group_loss,
     group_rank_frame,
+    level_mixing,
     measure,
     mechanism,
+    near_miss_reward,
     reward_levels,
+    sequence_factorial,
     sequence_policy_ranks,
     sequence_reward_tables,
+    ternary_reward,
 )
 from grpo_companion.chapters.rank_plots import (
+    plot_factorial,
     plot_ranks,
     plot_singular_values,
+    plot_stable_rank_by_k,
     plot_weight_spectra,
 )
 from grpo_companion.chapters.rank_verdict import (
+    bootstrap_interval,
     candidate_table,
+    cell_records,
+    change_over_sizes,
     classify_ranks,
     entropy_table,
+    factorial_summary,
     group_size_records,
     headline_records,
+    model_slug,
     overview,
+    prompt_weights,
+    rank_change_records,
+    reading_records,
+    readings_text,
+    resampled_means,
+    stable_rank_by_k,
     summarise_ranks,
     verdict,
 )
@@ -489,43 +509,121 @@ def test_figures():
     matplotlib.pyplot.close("all")
 
 
-def test_rank_change_records_slope_times_span_with_interval():
+# ---------------------------------------------------------------------------------------------
+# The factorial and the readings (sections 6-7)
+
+
+def test_ternary_rewards():
+    assert ternary_reward("2+2=4\n#### 4", "4") == 1.0
+    assert ternary_reward("2+2=5\n#### 5", "4") == 0.5
+    assert ternary_reward("the answer is 5", "4") == 0.0
+    policy = SequencePolicy(vocab_size=3, length=3)
+    table = near_miss_reward(policy)
+    binary = sum_mod_reward(policy.all_sequences(), 3)
+    assert torch.equal(table == 1, binary == 1)
+    assert (table == 0.5).sum() == 9 and (table == 0).sum() == 9
+
+
+def test_factorial_grams_equal_those_of_the_explicit_matrices():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 40, generator=generator, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.5, 0.0, 0.5, 1.0, 0.0])
+    for advantage in ("grpo", "sign"):
+        a = factorial_advantages(rewards, advantage)
+        levels = torch.stack([(a * (rewards == v))[:, None] * scores for v in (1.0, 0.5, 0.0)])
+        grams = factorial_grams(scores @ scores.T, rewards, a)
+        expected = levels.sum(dim=1)
+        assert torch.allclose(grams["level_sums"][:3, :3], expected @ expected.T)
+        assert torch.allclose(grams["weighted"], (a[:, None] * scores) @ (a[:, None] * scores).T)
+    assert factorial_advantages(rewards, "grpo").sum().abs() < 1e-12  # zero-sum
+    assert factorial_advantages(rewards, "sign").tolist() == [1, 0, -1, 0, 1, -1]  # not
+    assert level_mixing(rewards, factorial_advantages(rewards, "sign"))[1].abs().sum() == 0
+    with pytest.raises(ValueError, match="advantage"):
+        factorial_advantages(rewards, "rloo")
+
+
+def test_factorial_on_orthonormal_scores_is_its_own_null_and_the_closed_form():
+    generator = torch.Generator().manual_seed(1)
+    rewards = torch.randint(0, 3, (30, 8), generator=generator).double() / 2
+    grams = torch.eye(8, dtype=torch.float64).expand(30, 8, 8)
+    frame = factorial_frame(
+        grams, {"binary": (rewards == 1).double(), "ternary": rewards}, [2, 4, 8]
+    )
+    for name in ("entropy", "stable", "energy_90"):
+        assert frame[name].to_numpy() == pytest.approx(frame[f"null_{name}"].to_numpy(), abs=1e-9)
+    mixed = frame[frame["mixed"] & (frame["reward"] == "binary")]
+    assert mixed[mixed["matrix"] == "level_sums"]["rank"].max() == 2
+    table = stable_rank_by_k(frame.assign(model="m"))
+    assert table["measured"].to_numpy() == pytest.approx(table["closed_form"].to_numpy())
+    records = reading_records(frame.assign(model="m"), [2, 4, 8], 50, seed=0)
+    for name in ("levels_effect", "weighted_stable_change", "scores_entropy_change"):
+        assert records[f"{name}_m"] == pytest.approx(records[f"predicted_{name}_m"])
+    assert records["scores_entropy_change_m"] == pytest.approx(6.0)
+    assert records["levels_effect_m"] > 0  # a third level: above the binary reward's 2
+    assert records["level_sums_max_rank_m"] == 2
+
+
+def test_sequence_factorial_levels_raise_the_rank_and_sign_keeps_binary_at_two(sequence_policy):
+    policy, logits, _, _ = sequence_policy
+    frame = sequence_factorial(policy, logits, [2, 4, 8], 40, seed=0)
+    summary = factorial_summary(frame)
+    cells = cell_records(summary, "sequence policy", 8)
+    assert cells["cell_sequence_policy_binary_sign_level_sums_entropy"] <= 2
+    assert cells["cell_sequence_policy_ternary_grpo_level_sums_entropy"] > 2
+    records = reading_records(frame, [2, 4, 8], 100, seed=0)
+    assert records["levels_effect_sequence_policy_low"] > 0
+    assert "a third reward level raises" in readings_text(records, "sequence policy")
+    fig = plot_factorial(summary, [2, 4, 8])
+    assert len(fig.axes) == 6
+    fig = plot_stable_rank_by_k(stable_rank_by_k(frame))
+    assert len(fig.axes) == 3
+    matplotlib.pyplot.close("all")
+
+
+def test_no_mixed_group_records_none_and_says_so():
+    rewards = torch.zeros(3, 8, dtype=torch.float64)
+    frame = factorial_frame(torch.eye(8).expand(3, 8, 8), {"binary": rewards, "ternary": rewards},
+                            [2, 4, 8]).assign(model="tiny-llama")  # fmt: skip
+    records = reading_records(frame, [2, 4, 8], 20, seed=0)
+    assert records["levels_effect_tiny_llama"] is None
+    assert records["levels_effect_tiny_llama_low"] is None
+    assert records["predicted_levels_effect_tiny_llama"] is None
+    assert records["mixed_groups_tiny_llama"] == 0
+    assert records["level_sums_max_rank_tiny_llama"] is None
+    assert "no mixed group" in readings_text(records, "tiny-llama")
+
+
+def test_bootstrap_over_prompts():
+    weights = prompt_weights(5, 200, seed=0)
+    assert weights.shape == (201, 5) and (weights[0] == 1).all() and (weights.sum(1) == 5).all()
+    frame = pd.DataFrame(
+        {"prompt": [0, 0, 1, 2, 2], "group_size": 2, "mixed": [True, True, True, True, False],
+         "entropy": [1.0, 2.0, 3.0, 4.0, 99.0]}
+    )  # fmt: skip
+    means = resampled_means(frame, ["group_size"], "entropy", prompt_weights(3, 10, seed=0))
+    assert means[(2,)][0] == pytest.approx(2.5)  # the unmixed group is left out
+    assert change_over_sizes(torch.tensor([[1.0, 2.0, 4.0]]).numpy(), [2, 4, 8]) == pytest.approx(3)
     import numpy as np
 
-    from grpo_companion.chapters.rank_verdict import rank_change_records
+    assert bootstrap_interval(np.array([np.nan, 1.0])) == {"mean": None, "low": None, "high": None}
+    assert bootstrap_interval(np.array([1.0, np.nan, np.nan, 2.0]))["low"] is None
+    interval = bootstrap_interval(np.array([1.0, *np.linspace(0, 2, 101)]))
+    assert interval["low"] == pytest.approx(0.05) and interval["high"] == pytest.approx(1.95)
+    assert model_slug("nvidia/Nemotron-Mini-4B-Instruct") == "nemotron_mini_4b_instruct"
 
-    base = {"model": "m", "reward": "binary", "stage": "early", "measure": "entropy", "n": 10}
-    t = 2.2621571627409915  # t quantile 0.975, 9 degrees of freedom
-    rows = (
-        [
-            {
-                **base,
-                "candidate": "weighted",
-                "group_size": g,
-                "mean": 1 + 0.5 * g,
-                "low": 1 + 0.5 * g - 0.1 * t,
-                "high": 1 + 0.5 * g + 0.1 * t,
-            }
-            for g in (2, 4, 8)
-        ]
-        + [
-            {
-                **base,
-                "candidate": "group gradients",
-                "group_size": g,
-                "mean": 3.0,
-                "n": None,
-                "low": None,
-                "high": None,
-            }
-            for g in (2, 4, 8)
-        ]
-        + [{**base, "reward": "uniform", "candidate": "weighted", "group_size": 2, "mean": 9.0}]
-    )
-    records = rank_change_records(pd.DataFrame(rows))["effective_rank_change"]["m"]
-    # slope 0.5 per unit of G over a span of 6: a change of 3; each mean has standard error 0.1
-    centred = np.array([2, 4, 8]) - 14 / 3
-    half = 1.959964 * 0.1 * np.sqrt(centred @ centred) / (centred @ centred) * 6
-    assert records["weighted"]["mean"] == pytest.approx(3.0)
-    assert records["weighted"]["high"] - 3.0 == pytest.approx(half, rel=1e-5)
-    assert records["group gradients"] == {"mean": pytest.approx(0.0), "low": None, "high": None}
+
+def test_rank_change_records_resample_prompts_and_fit_the_claims_range():
+    base = {"model": "m", "stage": "early", "reward": "binary", "candidate": "weighted"}
+    base["mixed"] = True
+    rows = []
+    for prompt in range(6):
+        for size in (2, 4, 8, 16):
+            for group in range(16 // size):
+                value = 1 + 0.5 * size + 0.1 * prompt  # a change of 3 over G = 2..8
+                rows.append({**base, "group_size": size, "prompt": prompt, "group": group,
+                             "entropy": value})  # fmt: skip
+    records = rank_change_records(pd.DataFrame(rows), [2, 4, 8], 100, seed=0)
+    change = records["effective_rank_change"]["m"]["weighted"]
+    assert change["mean"] == pytest.approx(3.0)
+    # the prompt offset moves every G together: it cancels in the change, so the interval is tight
+    assert change["low"] == pytest.approx(3.0) and change["high"] == pytest.approx(3.0)

@@ -15,6 +15,7 @@ from grpo_companion.core.spectra import (
     energy_rank,
     gram_singular_values,
     mixed_gram,
+    orthogonal_stable_rank,
     rank_measures,
     stable_rank,
     weighted_gram,
@@ -123,3 +124,18 @@ def test_rank_measures_of_a_known_spectrum():
     assert measures["entropy"].item() == pytest.approx(math.exp(-(p * p.log()).sum().item()))
     assert measures["stable"].item() == pytest.approx(14.25 / 9)
     assert measures["energy_90"].item() == 2 and measures["energy_99"].item() == 4
+
+
+@pytest.mark.parametrize("size", [2, 4, 8, 16])
+def test_orthogonal_stable_rank_is_the_numerical_one(size):
+    from grpo_companion.core.advantages import group_advantages
+
+    q, _ = torch.linalg.qr(torch.randn(50, size, dtype=torch.float64))
+    scores = q.T * 3.0  # orthogonal rows of equal norm
+    for k in range(1, size):
+        rewards = (torch.arange(size) < k).double()
+        a = group_advantages(rewards[None], "grpo")[0]
+        sigma = torch.linalg.svdvals(a[:, None] * scores)
+        assert stable_rank(sigma).item() == pytest.approx(orthogonal_stable_rank(size, k).item())
+    assert orthogonal_stable_rank(size, size // 2).item() == pytest.approx(size)
+    assert orthogonal_stable_rank(size, 1).item() == pytest.approx(size / (size - 1))

@@ -3,8 +3,11 @@
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import torch
 from matplotlib.figure import Figure
 from torch import Tensor
+
+from grpo_companion.core.spectra import orthogonal_stable_rank
 
 # Colour and marker of each per-group candidate in `plot_ranks`.
 CANDIDATE_STYLE = {"scores": ("C7", "s"), "weighted": ("C3", "o"), "level_sums": ("C0", "^")}
@@ -90,5 +93,77 @@ def plot_weight_spectra(measured: dict, group_sizes: list[int], title: str) -> F
         ax.title.set_fontsize("small")
     axes[0, 0].legend(fontsize="x-small")
     fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+# Colour of each (reward, advantage) cell of `plot_factorial`.
+FACTORIAL_STYLE = {
+    ("binary", "grpo"): "C0",
+    ("binary", "sign"): "C1",
+    ("ternary", "grpo"): "C2",
+    ("ternary", "sign"): "C3",
+}
+
+
+def plot_factorial(summary: pd.DataFrame, group_sizes: list[int]) -> Figure:
+    """The factorial: mean rank against G, one panel per (model, matrix) row and measure
+    column, one colour per (reward, advantage); solid measured, dotted the null model
+    (orthogonal equal-norm scores). `summary` is a `rank_verdict.factorial_summary` table."""
+    rows = summary[["model", "matrix"]].drop_duplicates()
+    rows = rows[rows["matrix"] != "scores"].values.tolist()
+    measures = list(dict.fromkeys(summary["measure"]))
+    fig, axes = plt.subplots(
+        len(rows), len(measures), figsize=(3.4 * len(measures), 2.6 * len(rows)),
+        sharex=True, squeeze=False,
+    )  # fmt: skip
+    for (model, matrix), row in zip(rows, axes):
+        for measure, ax in zip(measures, row):
+            part = summary[
+                (summary["model"] == model)
+                & (summary["matrix"] == matrix)
+                & (summary["measure"] == measure)
+            ]
+            for (reward, advantage), color in FACTORIAL_STYLE.items():
+                line = part[(part["reward"] == reward) & (part["advantage"] == advantage)]
+                line = line.sort_values("group_size")
+                if line.empty:
+                    continue
+                label = f"{reward}, {advantage}"
+                ax.plot(line["group_size"], line["mean"], "o-", color=color, label=label)
+                ax.plot(line["group_size"], line["null"], ":", color=color)
+            ax.axhline(2, color="k", lw=0.8, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.minorticks_off()
+            ax.set(
+                xticks=group_sizes, xticklabels=group_sizes, title=f"{model}: {matrix}, {measure}"
+            )
+            ax.title.set_fontsize("small")
+    for ax in axes[-1]:
+        ax.set_xlabel("group size G")
+    axes[0, 0].legend(fontsize="x-small")
+    fig.suptitle("reward levels x zero-sum x measure (dotted: orthogonal equal-norm scores)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_stable_rank_by_k(table: pd.DataFrame) -> Figure:
+    """Stable rank of diag(A) S against the number k of correct completions, one panel per G,
+    markers per model (`rank_verdict.stable_rank_by_k`), the line the closed form
+    G min(k, G - k) / max(k, G - k) of orthogonal equal-norm scores."""
+    sizes = sorted(table["group_size"].unique())
+    fig, axes = plt.subplots(1, max(len(sizes), 1), figsize=(3.4 * max(len(sizes), 1), 3.0),
+                             squeeze=False)  # fmt: skip
+    for ax, size in zip(axes[0], sizes):
+        part = table[table["group_size"] == size]
+        k = torch.arange(1, size)
+        closed_form = orthogonal_stable_rank(size, k).numpy()
+        ax.plot(k.numpy(), closed_form, "k-", lw=1, label="closed form")
+        for i, (model, rows) in enumerate(part.groupby("model", sort=False)):
+            ax.plot(rows["k"], rows["measured"], "o", color=f"C{i}", label=model)
+        ax.axhline(2, color="k", lw=0.8, ls="--")
+        ax.set(title=f"G = {size}", xlabel="k correct")
+    axes[0, 0].set_ylabel("stable rank of diag(A) S")
+    axes[0, 0].legend(fontsize="x-small")
     fig.tight_layout()
     return fig

@@ -6,17 +6,23 @@ values or the verdict's text. The verdict's classes keep the paper's letter for 
 ("grows with R").
 """
 
-import pandas as pd
-from scipy import stats
+import re
 
-from grpo_companion.core.spectra import RANK_MEASURES
-from grpo_companion.core.stats import mean_interval, slope_of_means
+import numpy as np
+import pandas as pd
+import torch
+
+from grpo_companion.core.spectra import RANK_MEASURES, orthogonal_stable_rank
+from grpo_companion.core.stats import interval_words, mean_interval
 
 
 def summarise_ranks(frame, by: list[str], measures=RANK_MEASURES, confidence: float = 0.95):
     """Mean and t-interval of each measure over the mixed groups, per `by` (+ measure): a
     DataFrame with columns `by`, measure, n, mean, low, high. Degenerate groups (all rewards
-    equal) have no gradient at all and are left out; `n` says how many groups are in."""
+    equal) have no gradient at all and are left out; `n` says how many groups are in. The t
+    interval (n - 1 degrees of freedom) treats the groups as independent, which groups cut from
+    one prompt's samples are not: it describes the spread, and the intervals the ledger reads
+    come from `prompt_weights` (a bootstrap over prompts)."""
     rows = []
     for key, part in frame[frame["mixed"]].groupby(by, sort=True):
         key = key if isinstance(key, tuple) else (key,)
@@ -193,31 +199,274 @@ def headline_records(summary: pd.DataFrame) -> dict:
     return records
 
 
-def rank_change_records(table: pd.DataFrame, confidence: float = 0.95) -> dict:
+def rank_change_records(
+    frame: pd.DataFrame,
+    claim_sizes: list[int],
+    num_resamples: int,
+    seed: int,
+    confidence: float = 0.95,
+) -> dict:
     """ "Regardless of R" as a number with an interval: {"effective_rank_change": {model:
-    {candidate: {"mean", "low", "high"}}}}, the least-squares slope of the mean entropy effective
-    rank against G (`slope_of_means`, the groups at each G independent of the others) times the
-    span of G measured, for binary rewards before training, from a `candidate_table`. The
-    standard error of each mean is read back from its t-interval; a candidate without one (the
-    stacked group gradients: one matrix per G) has low and high None, as has one measured at a
-    single G. 0 says the rank does not move with R; the ledger bounds the interval by 0.5."""
-    headline = (table["reward"] == "binary") & (table["stage"] == "early")
-    rows = table[headline & (table["measure"] == "entropy")]
+    {candidate: {"mean", "low", "high"}}}}, `change_over_sizes` of the mean entropy effective
+    rank over G in `claim_sizes`, binary rewards before training, from `group_rank_frame`s
+    (columns model, stage, reward, candidate, group_size, prompt, mixed, entropy). Every G cuts
+    the same samples of each prompt, so the means at different G are dependent: the interval is
+    a bootstrap over prompts (`prompt_weights`, `bootstrap_interval`). 0 says the rank does not
+    move with R."""
+    rows = frame[(frame["reward"] == "binary") & (frame["stage"] == "early")]
+    rows = rows[rows["group_size"].isin(claim_sizes)]
     records = {}
     for (model, candidate), part in rows.groupby(["model", "candidate"], sort=True):
-        part = part.sort_values("group_size")
-        sizes = part["group_size"].astype(float).to_numpy()
-        if len(set(sizes)) < 2:
-            continue
-        errors = [
-            (row["high"] - row["low"]) / (2 * stats.t.ppf((1 + confidence) / 2, row["n"] - 1))
-            if row.get("n", 0) >= 2 and pd.notna(row["high"])
-            else None
-            for row in part.to_dict("records")
-        ]
-        slope = slope_of_means(sizes, part["mean"].to_numpy(dtype=float), errors)
-        span = sizes[-1] - sizes[0]
-        records.setdefault(model, {})[candidate] = {
-            key: None if value is None else float(value * span) for key, value in slope.items()
-        }
+        weights = prompt_weights(int(part["prompt"].max()) + 1, num_resamples, seed)
+        means = resampled_means(part, ["group_size"], "entropy", weights)
+        stacked = np.stack([means.get((size,), _missing(weights)) for size in claim_sizes], -1)
+        change = change_over_sizes(stacked, claim_sizes)
+        records.setdefault(model, {})[candidate] = bootstrap_interval(change, confidence)
     return {"effective_rank_change": records}
+
+
+# ---------------------------------------------------------------------------------------------
+# Intervals that respect the design: a bootstrap over prompts
+
+
+def prompt_weights(num_prompts: int, num_resamples: int, seed: int) -> np.ndarray:
+    """`(1 + num_resamples, num_prompts)` counts: row 0 all ones (the estimate itself), then
+    one multinomial resample of the prompts per row (numpy generator seeded `seed`). A mean
+    over groups becomes (weights @ sums) / (weights @ counts): the groups of a resampled
+    prompt come along with it, at every G."""
+    generator = np.random.default_rng(seed)
+    draws = generator.integers(num_prompts, size=(num_resamples, num_prompts))
+    counts = np.stack([np.bincount(row, minlength=num_prompts) for row in draws])
+    return np.vstack([np.ones(num_prompts), counts]).astype(float)
+
+
+def resampled_means(frame: pd.DataFrame, by: list[str], value: str, weights: np.ndarray):
+    """{key of `by`: `(1 + R,)` means of `value` over the mixed groups} under each row of
+    `weights` (`prompt_weights`); NaN where a resample holds no mixed group of that key."""
+    mixed = frame[frame["mixed"]]
+    totals = mixed.groupby([*by, "prompt"])[value].agg(["sum", "count"])
+    num_prompts = weights.shape[1]
+    result = {}
+    for key, part in totals.groupby(level=list(range(len(by)))):
+        key = key if isinstance(key, tuple) else (key,)
+        prompts = part.index.get_level_values("prompt").to_numpy()
+        sums, counts = np.zeros(num_prompts), np.zeros(num_prompts)
+        sums[prompts], counts[prompts] = part["sum"].to_numpy(), part["count"].to_numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result[key] = (weights @ sums) / (weights @ counts)
+    return result
+
+
+def _missing(weights: np.ndarray) -> np.ndarray:
+    return np.full(weights.shape[0], np.nan)
+
+
+def change_over_sizes(means: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Least-squares slope of `means: (..., n)` against the group sizes `sizes` (n of them),
+    times their span: the change of the fitted line from the smallest G to the largest, `(...)`."""
+    x = np.asarray(sizes, dtype=float)
+    centred = x - x.mean()
+    return (means @ centred) / (centred @ centred) * (x[-1] - x[0])
+
+
+def bootstrap_interval(values: np.ndarray, confidence: float = 0.95) -> dict:
+    """{"mean", "low", "high"} from `(1 + R,)` values: the estimate (row 0) and the percentile
+    interval of the resamples. None where the estimate is undefined, and low = high = None
+    where more than 1 - `confidence` of the resamples are (too few prompts with mixed groups)."""
+    estimate, resampled = values[0], values[1:]
+    if not np.isfinite(estimate):
+        return {"mean": None, "low": None, "high": None}
+    finite = resampled[np.isfinite(resampled)]
+    if len(finite) < confidence * len(resampled) or len(finite) < 2:
+        return {"mean": float(estimate), "low": None, "high": None}
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(finite, [tail, 100 - tail])
+    return {"mean": float(estimate), "low": float(low), "high": float(high)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The factorial and the readings (chapter 7, sections 6-7): records the ledger reads
+
+FACTORIAL_BY = ["reward", "advantage", "matrix", "group_size"]
+NULL_HOW = (
+    "the null model of orthogonal score rows of equal norm (the Gram matrix replaced by the "
+    "identity) on the same groups' rewards, through the same statistic"
+)
+
+
+def model_slug(name: str) -> str:
+    """A model's name as part of a record key: "tiny-llama" -> "tiny_llama",
+    "nvidia/Nemotron-Mini-4B-Instruct" -> "nemotron_mini_4b_instruct"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.rsplit("/", 1)[-1].lower()).strip("_")
+
+
+def factorial_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean of each measure and of its null over the mixed groups, one row per (model,
+    reward, advantage, matrix, group_size, measure), columns n, mean, null; from
+    `rank.factorial_frame`s with a model column."""
+    mixed = frame[frame["mixed"]]
+    keys = ["model", *FACTORIAL_BY]
+    measures = [name for name in ("entropy", "stable", "energy_90") if name in frame]
+    means = mixed.groupby(keys)[[*measures, *(f"null_{m}" for m in measures)]].mean()
+    counts = mixed.groupby(keys).size()
+    rows = [
+        {**dict(zip(keys, key)), "measure": m, "n": int(counts[key]), "mean": row[m],
+         "null": row[f"null_{m}"]}
+        for key, row in means.iterrows()
+        for m in measures
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def stable_rank_by_k(frame: pd.DataFrame) -> pd.DataFrame:
+    """The stable rank of diag(A) S, binary reward, grpo advantages, per (model, G, k) of the
+    mixed groups: n, the measured mean, and `spectra.orthogonal_stable_rank` beside it."""
+    rows = frame[
+        frame["mixed"]
+        & (frame["reward"] == "binary")
+        & (frame["advantage"] == "grpo")
+        & (frame["matrix"] == "weighted")
+    ]
+    table = rows.groupby(["model", "group_size", "k"])["stable"].agg(["count", "mean"])
+    table = table.reset_index().rename(columns={"count": "n", "mean": "measured"})
+    sizes, correct = (torch.tensor(table[c].to_numpy()) for c in ("group_size", "k"))
+    table["closed_form"] = orthogonal_stable_rank(sizes, correct).numpy()
+    return table
+
+
+def reading_records(
+    frame: pd.DataFrame,
+    claim_sizes: list[int],
+    num_resamples: int,
+    seed: int,
+    confidence: float = 0.95,
+) -> dict:
+    """The ledger's flat keys for one model's `rank.factorial_frame` (binary and ternary
+    rewards, grpo and sign advantages), m its `model_slug`, every interval a bootstrap over
+    prompts (`prompt_weights`):
+
+        levels_effect_m (+ _low, _high)   mean entropy effective rank of the level sums, ternary
+                                          minus binary, grpo, at the largest G of `claim_sizes`:
+                                          what a third reward level adds under zero-sum (P4a)
+        zero_sum_effect_m (+ _low, _high) stable rank of diag(A) S, binary, sign minus grpo, same G:
+                                          what removing zero-sum adds
+        <reading>_change_m (+ _low, _high)  `change_over_sizes` over `claim_sizes`, binary,
+                                          grpo, for weighted_entropy, weighted_stable and
+                                          scores_entropy (P4b)
+        predicted_<each of these>_m (+ _how)  the same statistic under the null model (K = I)
+        level_sums_max_rank_m             the largest numerical rank of the binary level sums
+        mixed_groups_m                    the fewest mixed binary groups at any G of `claim_sizes`
+        three_level_groups_m              ternary groups with three levels at the largest G
+    Values are None where there is no mixed group to measure.
+    """
+    model = model_slug(frame["model"].iloc[0])
+    weights = prompt_weights(int(frame["prompt"].max()) + 1, num_resamples, seed)
+    largest = max(claim_sizes)
+    means = {
+        value: resampled_means(frame, FACTORIAL_BY, value, weights)
+        for value in ("entropy", "stable", "null_entropy", "null_stable")
+    }
+
+    def cell(value, reward, advantage, matrix, size):
+        return means[value].get((reward, advantage, matrix, size), _missing(weights))
+
+    def change(value, matrix):
+        stacked = [cell(value, "binary", "grpo", matrix, size) for size in claim_sizes]
+        return change_over_sizes(np.stack(stacked, -1), claim_sizes)
+
+    statistics = {
+        "levels_effect": lambda v: cell(v + "entropy", "ternary", "grpo", "level_sums", largest)
+        - cell(v + "entropy", "binary", "grpo", "level_sums", largest),
+        "zero_sum_effect": lambda v: cell(v + "stable", "binary", "sign", "weighted", largest)
+        - cell(v + "stable", "binary", "grpo", "weighted", largest),
+        "weighted_entropy_change": lambda v: change(v + "entropy", "weighted"),
+        "weighted_stable_change": lambda v: change(v + "stable", "weighted"),
+        "scores_entropy_change": lambda v: change(v + "entropy", "scores"),
+    }
+    records = {}
+    for name, statistic in statistics.items():
+        interval = bootstrap_interval(statistic(""), confidence)
+        predicted = statistic("null_")[0]
+        records[f"{name}_{model}"] = interval["mean"]
+        records[f"{name}_{model}_low"] = interval["low"]
+        records[f"{name}_{model}_high"] = interval["high"]
+        records[f"predicted_{name}_{model}"] = float(predicted) if np.isfinite(predicted) else None
+        records[f"predicted_{name}_{model}_how"] = NULL_HOW
+    mixed = frame[frame["mixed"]]
+    binary_level_sums = mixed[(mixed["reward"] == "binary") & (mixed["matrix"] == "level_sums")]
+    records[f"level_sums_max_rank_{model}"] = (
+        int(binary_level_sums["rank"].max()) if len(binary_level_sums) else None
+    )
+    binary = mixed[
+        (mixed["reward"] == "binary")
+        & (mixed["advantage"] == "grpo")
+        & (mixed["matrix"] == "scores")
+    ]
+    records[f"mixed_groups_{model}"] = min(
+        int((binary["group_size"] == size).sum()) for size in claim_sizes
+    )
+    ternary = frame[
+        (frame["reward"] == "ternary")
+        & (frame["advantage"] == "grpo")
+        & (frame["matrix"] == "scores")
+        & (frame["group_size"] == largest)
+    ]
+    records[f"three_level_groups_{model}"] = int((ternary["levels"] >= 3).sum())
+    return records
+
+
+def readings_text(records: dict, model: str) -> str:
+    """One paragraph on one model's `reading_records`, each interval read against its null
+    prediction by `core.stats.interval_words` (the ledger's `reading`)."""
+    slug = model_slug(model)
+
+    def words(name, supports, contradicts):
+        key = f"{name}_{slug}"
+        low, high = records.get(f"{key}_low"), records.get(f"{key}_high")
+        if records.get(key) is None:
+            return f"{name.replace('_', ' ')}: no mixed group to measure."
+        span = "no interval" if low is None else f"interval [{low:.2f}, {high:.2f}]"
+        verdict = interval_words(low, high, records[f"predicted_{key}"], supports, contradicts)
+        return (
+            f"{name.replace('_', ' ')} {records[key]:.2f} ({span}; null "
+            f"{records[f'predicted_{key}']:.2f}): {verdict}."
+        )
+
+    return " ".join(
+        [
+            f"On the {model}:",
+            words(
+                "levels_effect",
+                "a third reward level raises the level sums' rank although the advantages are "
+                "zero-sum",
+                "the third reward level does not raise the rank as the null predicts",
+            ),
+            words(
+                "weighted_entropy_change",
+                "the entropy effective rank of diag(A)S grows with G",
+                "the entropy effective rank of diag(A)S does not grow as the null predicts",
+            ),
+            words(
+                "weighted_stable_change",
+                "the stable rank of diag(A)S moves with G in the direction the null predicts",
+                "the stable rank of diag(A)S stays put where the null predicts it moves",
+            ),
+            words(
+                "scores_entropy_change",
+                "the score rows' effective rank grows with G",
+                "the score rows' effective rank does not grow as orthogonal scores would",
+            ),
+        ]
+    )
+
+
+def cell_records(summary: pd.DataFrame, model: str, size: int) -> dict:
+    """{"cell_<m>_<reward>_<advantage>_<matrix>_<measure>": mean} of one model's
+    `factorial_summary` at G = `size`, m its `model_slug`: the numbers the prose quotes."""
+    part = summary[(summary["model"] == model) & (summary["group_size"] == size)]
+    return {
+        f"cell_{model_slug(model)}_{row.reward}_{row.advantage}_{row.matrix}_{row.measure}": float(
+            row.mean
+        )
+        for row in part.itertuples()
+    }

@@ -8,6 +8,9 @@ from S by mixing its rows: diag(w) S (`weighted_gram`) and E S (`mixed_gram`).
 Three effective ranks summarise a spectrum (`rank_measures`): the entropy effective rank, the
 stable rank, and the energy ranks at 90% and 99%; each takes singular values `(..., k)` and
 returns `(...)`, and the zero matrix has rank 0 under all of them.
+
+One closed form gives the null model's stable rank of the per-completion gradient rows
+(`orthogonal_stable_rank`), the yardstick chapter 7 measures diag(A) S against.
 """
 
 import torch
@@ -117,3 +120,24 @@ def _relative_to_largest(singular_values: Tensor) -> Tensor:
     """sigma / max sigma (zeros stay zeros), so that squaring neither under- nor overflows."""
     top = singular_values.amax(dim=-1, keepdim=True)
     return singular_values / torch.where(top > 0, top, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The null model of chapter 7: orthogonal score rows of equal norm
+
+
+def orthogonal_stable_rank(group_size, num_correct) -> Tensor:
+    """Stable rank of diag(A) S for orthogonal, equal-norm score rows S `(G, P)`, binary
+    rewards with k = `num_correct` right (0 < k < G) and zero-sum advantages equal within a
+    reward class (grpo, dr_grpo, rloo): G min(k, G - k) / max(k, G - k), float64, elementwise
+    over numbers or tensors of G and k.
+
+    Chapter: :doc:`/book/07_rank` (section 7, "per reading")
+
+    The singular values are |A_i| ||s||; zero sum makes |a_1| / |a_0| = (G - k) / k, so the
+    minority class carries the largest ones and sum sigma^2 / max sigma^2 is the formula: G
+    for a balanced group, G / (G - 1) for a lone minority.
+    """
+    size = torch.as_tensor(group_size, dtype=torch.float64)
+    correct = torch.as_tensor(num_correct, dtype=torch.float64)
+    return size * torch.minimum(correct, size - correct) / torch.maximum(correct, size - correct)
