@@ -572,7 +572,8 @@ def test_sequence_factorial_levels_raise_the_rank_and_sign_keeps_binary_at_two(s
     assert cells["cell_sequence_policy_ternary_grpo_level_sums_entropy"] > 2
     records = reading_records(frame, [2, 4, 8], 100, seed=0)
     assert records["levels_effect_sequence_policy_low"] > 0
-    assert "a third reward level raises" in readings_text(records, "sequence policy")
+    assert "a third reward level raises" in records["levels_effect_sequence_policy_words"]
+    assert "grows with G" in readings_text(records, "sequence policy")
     fig = plot_factorial(summary, [2, 4, 8])
     assert len(fig.axes) == 6
     fig = plot_stable_rank_by_k(stable_rank_by_k(frame))

@@ -294,6 +294,32 @@ NULL_HOW = (
 )
 
 
+# What an interval beyond 0 (supports) and one short of the null's prediction (contradicts)
+# say, per statistic of `reading_records`.
+READING_WORDS = {
+    "levels_effect": (
+        "a third reward level raises the level sums' rank although the advantages are zero-sum",
+        "the third reward level does not raise the rank as the null predicts",
+    ),
+    "zero_sum_effect": (
+        "removing zero-sum raises the stable rank of diag(A)S",
+        "removing zero-sum does not raise the stable rank of diag(A)S as the null predicts",
+    ),
+    "weighted_entropy_change": (
+        "the entropy effective rank of diag(A)S grows with G",
+        "the entropy effective rank of diag(A)S does not grow as the null predicts",
+    ),
+    "weighted_stable_change": (
+        "the stable rank of diag(A)S moves with G in the direction the null predicts",
+        "the stable rank of diag(A)S stays put where the null predicts it moves",
+    ),
+    "scores_entropy_change": (
+        "the score rows' effective rank grows with G",
+        "the score rows' effective rank does not grow as orthogonal scores would",
+    ),
+}
+
+
 def model_slug(name: str) -> str:
     """A model's name as part of a record key: "tiny-llama" -> "tiny_llama",
     "nvidia/Nemotron-Mini-4B-Instruct" -> "nemotron_mini_4b_instruct"."""
@@ -353,6 +379,8 @@ def reading_records(
         <reading>_change_m (+ _low, _high)  `change_over_sizes` over `claim_sizes`, binary,
                                           grpo, for weighted_entropy, weighted_stable and
                                           scores_entropy (P4b)
+        <each of these>_m_words           its interval in words (`core.stats.interval_words`,
+                                          against the prediction; `READING_WORDS`)
         predicted_<each of these>_m (+ _how)  the same statistic under the null model (K = I)
         level_sums_max_rank_m             the largest numerical rank of the binary level sums
         mixed_groups_m                    the fewest mixed binary groups at any G of `claim_sizes`
@@ -387,10 +415,14 @@ def reading_records(
     for name, statistic in statistics.items():
         interval = bootstrap_interval(statistic(""), confidence)
         predicted = statistic("null_")[0]
+        predicted = float(predicted) if np.isfinite(predicted) else None
         records[f"{name}_{model}"] = interval["mean"]
         records[f"{name}_{model}_low"] = interval["low"]
         records[f"{name}_{model}_high"] = interval["high"]
-        records[f"predicted_{name}_{model}"] = float(predicted) if np.isfinite(predicted) else None
+        records[f"{name}_{model}_words"] = interval_words(
+            interval["low"], interval["high"], predicted, *READING_WORDS[name]
+        )
+        records[f"predicted_{name}_{model}"] = predicted
         records[f"predicted_{name}_{model}_how"] = NULL_HOW
     mixed = frame[frame["mixed"]]
     binary_level_sums = mixed[(mixed["reward"] == "binary") & (mixed["matrix"] == "level_sums")]
@@ -416,48 +448,23 @@ def reading_records(
 
 
 def readings_text(records: dict, model: str) -> str:
-    """One paragraph on one model's `reading_records`, each interval read against its null
-    prediction by `core.stats.interval_words` (the ledger's `reading`)."""
+    """One paragraph on one model's `reading_records`: each change over G, its interval and the
+    null's prediction, and the interval's reading in words (the `_words` records)."""
     slug = model_slug(model)
 
-    def words(name, supports, contradicts):
+    def sentence(name):
         key = f"{name}_{slug}"
-        low, high = records.get(f"{key}_low"), records.get(f"{key}_high")
+        label = name.replace("_", " ")
         if records.get(key) is None:
-            return f"{name.replace('_', ' ')}: no mixed group to measure."
+            return f"{label}: no mixed group to measure."
+        low, high = records[f"{key}_low"], records[f"{key}_high"]
         span = "no interval" if low is None else f"interval [{low:.2f}, {high:.2f}]"
-        verdict = interval_words(low, high, records[f"predicted_{key}"], supports, contradicts)
-        return (
-            f"{name.replace('_', ' ')} {records[key]:.2f} ({span}; null "
-            f"{records[f'predicted_{key}']:.2f}): {verdict}."
-        )
+        null = records[f"predicted_{key}"]
+        null = "no null" if null is None else f"null {null:.2f}"
+        return f"{label} {records[key]:.2f} ({span}; {null}): {records[f'{key}_words']}."
 
-    return " ".join(
-        [
-            f"On the {model}:",
-            words(
-                "levels_effect",
-                "a third reward level raises the level sums' rank although the advantages are "
-                "zero-sum",
-                "the third reward level does not raise the rank as the null predicts",
-            ),
-            words(
-                "weighted_entropy_change",
-                "the entropy effective rank of diag(A)S grows with G",
-                "the entropy effective rank of diag(A)S does not grow as the null predicts",
-            ),
-            words(
-                "weighted_stable_change",
-                "the stable rank of diag(A)S moves with G in the direction the null predicts",
-                "the stable rank of diag(A)S stays put where the null predicts it moves",
-            ),
-            words(
-                "scores_entropy_change",
-                "the score rows' effective rank grows with G",
-                "the score rows' effective rank does not grow as orthogonal scores would",
-            ),
-        ]
-    )
+    names = ("weighted_entropy_change", "weighted_stable_change", "scores_entropy_change")
+    return " ".join([f"On the {model}:", *(sentence(name) for name in names)])
 
 
 def cell_records(summary: pd.DataFrame, model: str, size: int) -> dict:
