@@ -84,20 +84,23 @@ def _kl_moments(scale):
     }
 
 
-def test_01_exercise_1_a_peaked_policy_widens_the_gap_between_b_star_and_the_mean():
-    def gap_and_gain(logit_scale):
+def test_01_exercise_1_a_peaked_policy_moves_the_gap_either_way_depending_on_the_seed():
+    def gap_and_gain(seed, logit_scale):
         policy = SequencePolicy(vocab_size=4, length=3)
-        logits = policy.init_logits(0, scale=logit_scale)
+        logits = policy.init_logits(seed, scale=logit_scale)
         rewards = sum_mod_reward(policy.all_sequences(), 4)
         mean = float(policy.objective(logits, rewards))
         b_star = optimal_baseline(policy, logits, rewards)
         variance_mean = float(estimator_variance(policy, logits, rewards, mean))
         variance_optimal = float(estimator_variance(policy, logits, rewards, b_star))
-        return abs(b_star - mean), 1 - variance_optimal / variance_mean
+        return b_star - mean, 1 - variance_optimal / variance_mean
 
-    gap, gain = gap_and_gain(1.5)
-    peaked_gap, peaked_gain = gap_and_gain(4.0)
-    assert peaked_gap > gap and peaked_gain > gain
+    (gap, gain), (peaked_gap, peaked_gain) = gap_and_gain(0, 1.5), gap_and_gain(0, 4.0)
+    assert abs(peaked_gap) > abs(gap) and peaked_gain > gain  # seed 0: both grow
+    for seed in (1, 2):  # both shrink
+        (gap, gain), (peaked_gap, peaked_gain) = gap_and_gain(seed, 1.5), gap_and_gain(seed, 4.0)
+        assert abs(peaked_gap) < abs(gap) and peaked_gain < gain, seed
+    assert gap_and_gain(4, 1.5)[0] < 0 < gap_and_gain(4, 4.0)[0]  # seed 4: the sign flips
 
 
 def test_02_exercise_1_at_group_size_2_every_weight_is_flat():
