@@ -8,8 +8,11 @@ import pytest
 from scipy import stats
 
 from grpo_companion.chapters import sparsity_dynamics as sd
+from grpo_companion.core.stats import interval_words
 from grpo_companion.lm.gsm8k import load_gsm8k
 from grpo_companion.lm.trainer import GRPOConfig
+
+NEITHER = interval_words(None, None, 1.0, "", "")
 
 
 @pytest.mark.parametrize("num_samples, group_size", [(4, 4), (8, 4), (16, 8)])
@@ -101,22 +104,24 @@ def _tables(slopes, seed=0):
 @pytest.mark.parametrize(
     "slopes, words",
     [([0.01, 0.012, 0.009], "rises"), ([-0.01, -0.012, -0.009], "falls"),
-     ([0.01, -0.01, 0.0], "cannot be told from no change")],
+     ([0.01, -0.01, 0.0], NEITHER)],
 )  # fmt: skip
 def test_summary_reads_the_trend_over_seeds(slopes, words):
     records = sd.dynamics_summary(_tables(slopes), "run")
     low, high = records["run_degenerate_change_low"], records["run_degenerate_change_high"]
-    assert sd.trend_words(low, high) == words
+    assert interval_words(low, high, 1e-6, "rises", "falls") == words
     assert records["run_prediction_error"] == 0.0
     assert records["run_eval_accuracy_first"] == pytest.approx(0.4)
     assert records["run_eval_accuracy_last"] == pytest.approx(0.3 - np.mean(slopes) * 40)
     change = (records["run_eval_accuracy_change_low"], records["run_eval_accuracy_change_high"])
     assert records["run_eval_accuracy_change"] == pytest.approx(-0.1 - np.mean(slopes) * 40)
-    assert sd.trend_words(*change) == {"rises": "falls", "falls": "rises"}.get(words, words)
+    assert interval_words(*change, 1e-6, "rises", "falls") == (
+        {"rises": "falls", "falls": "rises"}.get(words, words)
+    )
     assert records["run_iid_error"] == pytest.approx(
         np.mean([t["observed_degenerate"].mean() for t in _tables(slopes).values()])
     )
-    if words != "cannot be told from no change":
+    if words != NEITHER:
         assert np.sign(records["run_degenerate_slope"]) == np.sign(np.mean(slopes))
 
 
@@ -147,3 +152,49 @@ def test_an_interrupted_probed_run_resumes_to_the_same_result(random_tiny, tmp_p
     assert [probe["step"] for probe in whole[1]] == [0, 2, 4]
     assert [r["reward"] for r in resumed[0]] == [r["reward"] for r in whole[0]]
     assert all(math.isfinite(p["pass_rate"]) for p in whole[1])
+    for probe in whole[1]:  # every completion's outcome kept, and the counts are their sums
+        assert [len(row) for row in probe["outcomes"]] == [3] * len(train_data)
+        assert [sum(row) for row in probe["outcomes"]] == probe["correct"]
+
+
+def test_split_half_classifies_on_one_half_and_measures_on_the_other():
+    # Prompt 0: classified low on (0, 0, 0, 0), measured on (1, 1, 1, 1) then (0, 0, 0, 0).
+    # Prompt 1: classified high on (1, 1, 1, 1), measured on all correct both times.
+    # Prompt 2: a tie (1, 1, 0, 0): left out of both sides.
+    first = [[0, 0, 0, 0, 1, 1, 1, 1], [1] * 8, [1, 1, 0, 0, 0, 0, 0, 0]]
+    last = [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    split = sd.split_half_change(first, last, group_size=4)
+    assert split["group_size"] == 4
+    assert (split["low_prompts"], split["high_prompts"]) == (1, 1)
+    assert split["low_change"] == 0.0  # all correct -> all wrong: degenerate both times
+    assert split["high_change"] == 0.0
+    assert split["low_pass_rate_change"] == -1.0 and split["high_pass_rate_change"] == 0.0
+    # criterion: f'(0) (0 - 1) for prompt 0, f'(1/2) = 0 for prompt 2, nothing moves for 1.
+    assert split["criterion"] == pytest.approx(4 / 3)
+    # Too few samples in a half for G = 4: the estimate falls back to the half's size, 2.
+    short = sd.split_half_change([[0, 0, 1, 1]], [[1, 0, 1, 0]], group_size=4)
+    assert short["group_size"] == 2 and short["low_prompts"] == 1
+    # measured on (1, 1): degenerate at G = 2; last (1, 0, 1, 0): 1/6 + 1/6 of pairs agree.
+    assert short["low_change"] == pytest.approx(1 / 3 - 1)
+
+
+def test_split_summary_intervals_over_seeds():
+    rng = np.random.default_rng(0)
+    probes = {
+        seed: [{"outcomes": rng.integers(0, 2, (6, 8)).tolist()} for _ in range(2)]
+        for seed in range(3)
+    }
+    records = sd.split_summary(probes, 4, "run")
+    assert records["run_split_df"] == 2 and records["run_split_group_size"] == 4
+    text = sd.interval_text(records, "run_split_low_change")
+    assert text.startswith(f"{records['run_split_low_change']:+.3f} [")
+    assert sd.interval_text({}, "run_split_low_change").startswith("not measured")
+    for key in ("run_split_low_change", "run_split_high_change", "run_flow_criterion"):
+        assert records[f"{key}_low"] <= records[key] <= records[f"{key}_high"]
+    counts, samples = sd.first_probe_counts(
+        {
+            seed: [{"correct": [sum(r) for r in p[0]["outcomes"]], **p[0]}]
+            for seed, p in probes.items()
+        }
+    )
+    assert counts.shape == (18,) and samples == 8

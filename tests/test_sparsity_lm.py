@@ -15,7 +15,6 @@ from grpo_companion.chapters.sparsity_lm import (
     remedy_summary,
     runs_of,
     sample_sparsity,
-    side_of_zero,
     smoothed,
 )
 from grpo_companion.core.advantages import group_advantages
@@ -142,11 +141,7 @@ def test_runs_of_keeps_the_runs_of_one_method_in_order():
     assert steps.tolist() == [0, 4] and accuracy.tolist() == [[0.2, 0.6], [0.3, 0.6], [0.2, 0.8]]
 
 
-def test_side_of_zero_and_smoothed():
-    words = ("above", "below", "across")
-    assert side_of_zero({"low": 0.1, "high": 0.3}, *words) == "above"
-    assert side_of_zero({"low": -0.3, "high": -0.1}, *words) == "below"
-    assert side_of_zero({"low": -0.1, "high": 0.3}, *words) == "across"
+def test_smoothed():
     np.testing.assert_allclose(
         smoothed(np.array([[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]), 2),
         [[0.0, 0.5, 0.5, 0.5], [1.0, 1.0, 0.5, 0.0]],
@@ -154,7 +149,9 @@ def test_side_of_zero_and_smoothed():
 
 
 def test_remedy_summary_hand_built():
-    records, table = remedy_summary(RISING, ["grpo", "sign"])
+    records, table = remedy_summary(
+        RISING, ["grpo", "sign"], "grpo", {"sign": 0.1}, {"grpo": "GRPO", "sign": "Sign"}
+    )
     assert records["initial_accuracy"] == pytest.approx((0.2 + 0.3 + 0.2) * 2 / 6)
     finals = {"grpo": [0.4, 0.4, 0.5], "sign": [0.6, 0.6, 0.8]}
     for name, final in finals.items():
@@ -164,13 +161,14 @@ def test_remedy_summary_hand_built():
         assert records[f"{name}_final_accuracy_high"] == pytest.approx(high)
         assert table.loc[name, "final accuracy"] == pytest.approx(np.mean(final))
     assert records["grpo_accuracy_gain"] == pytest.approx((0.2 + 0.1 + 0.3) / 3)
+    assert records["grpo_accuracy_gain_low"] < records["grpo_accuracy_gain"]
     assert records["grpo_degenerate_rate"] == pytest.approx(0.5)
     assert records["sign_degenerate_rate"] == pytest.approx((1 + 1 + 0.5) / 3)
     difference = [0.2, 0.2, 0.3]  # paired by seed
     low, _ = stats.t.interval(0.95, 2, loc=np.mean(difference), scale=stats.sem(difference))
     assert records["sign_minus_grpo"] == pytest.approx(np.mean(difference))
     assert records["sign_minus_grpo_low"] == pytest.approx(low) and low > 0
-    assert records["sign_versus_grpo"] == "above GRPO's"
+    assert records["sign_versus_grpo"] == "on the predicted side of GRPO's"
     assert "grpo_minus_grpo" not in records
     assert table.index.tolist() == ["grpo", "sign"]
 

@@ -31,7 +31,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from grpo_companion.core.stats import fitted_trend, seed_band
+from grpo_companion.core.exact import degenerate_rate_slope
+from grpo_companion.core.stats import fitted_trend, mean_interval, seed_band
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts
@@ -47,7 +48,7 @@ def probe_seed(seed: int, step: int) -> int:
 
 
 @torch.no_grad()
-def probe_pass_rates(
+def probe_outcomes(
     model,
     tokenizer,
     prompts,
@@ -56,11 +57,13 @@ def probe_pass_rates(
     num_samples: int,
     seed: int,
     reward_fn=gsm8k.reward,
-) -> list[int]:
-    """How many of `num_samples` fresh completions of each prompt are correct: (num_prompts,).
+) -> list[list[int]]:
+    """Whether each of `num_samples` fresh completions of each prompt is correct (1) or not (0):
+    (num_prompts, num_samples), in the order sampled.
 
     Sampled like the trainer's rollouts (temperature, max_completion_length), with their own
-    seed, and never trained on.
+    seed, and never trained on. The per-sample outcomes let a later analysis classify a prompt
+    on some of its samples and measure it on the others (`split_half_change`).
     """
     probe = generate_rollouts(
         model, tokenizer, prompts, golds,
@@ -68,7 +71,27 @@ def probe_pass_rates(
         temperature=config.temperature, seed=seed, batch_size=config.rollout_batch_size,
         compute_log_probs=False, reward_fn=reward_fn,
     )  # fmt: skip
-    return probe.rewards.sum(dim=1).int().tolist()
+    return probe.rewards.int().tolist()
+
+
+def degenerate_estimates(correct, num_samples: int, group_size: int) -> dict:
+    """Unbiased per-prompt estimates of p_j^G and (1 - p_j)^G from k_j correct of K:
+    C(k_j, G) / C(K, G) and C(K - k_j, G) / C(K, G) (the chance that G draws without
+    replacement from the K samples are all correct, or all wrong). correct: (J,) counts.
+    Returns {"all_correct", "all_wrong", "degenerate"}, float arrays (J,); needs K >= G."""
+    if num_samples < group_size:
+        raise ValueError(f"need probe_samples >= G = {group_size} for the unbiased estimate")
+    correct = np.asarray(correct)
+    if correct.ndim != 1 or correct.min(initial=0) < 0 or correct.max(initial=0) > num_samples:
+        raise ValueError(f"correct must be counts in [0, {num_samples}], got {correct}")
+    total = math.comb(num_samples, group_size)
+    all_correct = np.array([math.comb(int(k), group_size) / total for k in correct])
+    all_wrong = np.array([math.comb(num_samples - int(k), group_size) / total for k in correct])
+    return {
+        "all_correct": all_correct,
+        "all_wrong": all_wrong,
+        "degenerate": all_correct + all_wrong,
+    }
 
 
 def predicted_degenerate(correct, num_samples: int, group_size: int) -> dict:
@@ -80,22 +103,16 @@ def predicted_degenerate(correct, num_samples: int, group_size: int) -> dict:
     "iid_degenerate" (f at the mean pass rate, the prediction that ignores the spread) and
     "share_near_one" (fraction of prompts with k_j / K >= 0.9).
     """
-    if num_samples < group_size:
-        raise ValueError(f"need probe_samples >= G = {group_size} for the unbiased estimate")
-    correct = np.asarray(correct)
-    if correct.ndim != 1 or correct.min(initial=0) < 0 or correct.max(initial=0) > num_samples:
-        raise ValueError(f"correct must be counts in [0, {num_samples}], got {correct}")
-    total = math.comb(num_samples, group_size)
-    all_correct = np.mean([math.comb(int(k), group_size) / total for k in correct])
-    all_wrong = np.mean([math.comb(num_samples - int(k), group_size) / total for k in correct])
-    p = correct.mean() / num_samples
+    estimates = degenerate_estimates(correct, num_samples, group_size)
+    all_correct, all_wrong = estimates["all_correct"].mean(), estimates["all_wrong"].mean()
+    p = np.mean(correct) / num_samples
     return {
         "pass_rate": float(p),
         "all_correct": float(all_correct),
         "all_wrong": float(all_wrong),
         "degenerate": float(all_correct + all_wrong),
         "iid_degenerate": float(p**group_size + (1 - p) ** group_size),
-        "share_near_one": float(np.mean(correct / num_samples >= 0.9)),
+        "share_near_one": float(np.mean(np.asarray(correct) / num_samples >= 0.9)),
     }
 
 
@@ -118,8 +135,9 @@ def probed_run(
 
     history: `trainer.train`'s, held-out accuracy measured as in one unbroken run (before the
     first step, or `initial_accuracy` if given; every ``config.eval_every`` steps; at the last).
-    probes: one dict per probe, {"step", "correct": per-prompt counts,
-    **predicted_degenerate(...)}, the probe at step s made after s updates. Each segment
+    probes: one dict per probe, {"step", "correct": per-prompt counts, "outcomes": per-prompt
+    per-sample rewards (num_prompts, probe_samples), **predicted_degenerate(...)}, the probe at
+    step s made after s updates. Each segment
     ends with a checkpoint in `checkpoint_dir` (with the probes so far in probes.json): calling
     again with the same arguments resumes after the last completed segment. With beta > 0 pass
     the initial model, as `train`'s resume requires.
@@ -143,11 +161,12 @@ def probed_run(
         if any(probe["step"] == stop for probe in probes):
             continue  # made before an interruption; the checkpoint holds the weights after it
         seed = probe_seed(config.seed, stop)
-        correct = probe_pass_rates(
+        outcomes = probe_outcomes(
             model, tokenizer, prompts, golds, config, probe_samples, seed, reward_fn
         )
+        correct = [sum(row) for row in outcomes]
         prediction = predicted_degenerate(correct, probe_samples, config.num_generations)
-        probes.append({"step": stop, "correct": correct, **prediction})
+        probes.append({"step": stop, "correct": correct, "outcomes": outcomes, **prediction})
         tmp = probes_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(probes))
         tmp.replace(probes_file)
@@ -249,11 +268,91 @@ def dynamics_summary(tables: dict, prefix: str) -> dict:
     return records
 
 
-def trend_words(low: float | None, high: float | None) -> str:
-    """How the interval of a change reads: "rises", "falls" or "cannot be told from no change"."""
-    if low is None or high is None:
-        return "cannot be judged from one run"
-    return "rises" if low > 0 else "falls" if high < 0 else "cannot be told from no change"
+def split_half_change(first, last, group_size: int) -> dict:
+    """The change of D = mean_j f(p_j) between two probes, for the prompts below and above 1/2.
+
+    first: (J, K) outcomes of the first probe, last: (J, K') of the last (`probe_outcomes`).
+    Each prompt is classified on the first half of its first-probe samples (p_A < 1/2: "low",
+    p_A > 1/2: "high", p_A = 1/2 left out) and measured on the other half (p_B, and the unbiased
+    `degenerate_estimates`) and on the last probe: classifying and measuring on the same samples
+    would fake a rise of the low prompts by regression to the mean. Returns floats
+    "<side>_change" (mean over the side of f_last - f_B; nan for an empty side or
+    "<side>_pass_rate_change", "<side>_prompts", and "criterion", mean_j f'(p_A,j)
+    (p_last,j - p_B,j): the first-order change of D (`exact.degenerate_rate_slope`). D is
+    estimated at "group_size", G, or at the half's size when it holds fewer than G samples (an
+    unbiased estimate of p^G needs G samples).
+    """
+    first, last = np.asarray(first), np.asarray(last)
+    half = first.shape[1] // 2
+    classify, measure = first[:, :half].mean(axis=1), first[:, half:]
+    p_before, p_after = measure.mean(axis=1), last.mean(axis=1)
+    records = {"criterion": float(np.mean(
+        degenerate_rate_slope(classify, group_size) * (p_after - p_before)
+    ))}  # fmt: skip
+    size = min(group_size, measure.shape[1], last.shape[1])
+    records["group_size"] = size
+    before = degenerate_estimates(measure.sum(axis=1), measure.shape[1], size)
+    after = degenerate_estimates(last.sum(axis=1), last.shape[1], size)
+    change = after["degenerate"] - before["degenerate"]
+    for side, members in (("low", classify < 0.5), ("high", classify > 0.5)):
+        records[f"{side}_prompts"] = int(members.sum())
+        records[f"{side}_pass_rate_change"] = (
+            float((p_after - p_before)[members].mean()) if members.any() else np.nan
+        )
+        records[f"{side}_change"] = float(change[members].mean()) if members.any() else np.nan
+    return records
+
+
+def split_summary(probes: dict, group_size: int, prefix: str) -> dict:
+    """`split_half_change` from each seed's first to last probe, with intervals over seeds.
+
+    probes: seed -> `probed_run` probes (with "outcomes"). Records
+    "<prefix>_split_{low,high}_change{,_low,_high}" and
+    "<prefix>_split_{low,high}_pass_rate_change{,_low,_high}" (only when every seed has prompts on
+    that side), "<prefix>_split_{low,high}_prompts" (mean over seeds),
+    "<prefix>_flow_criterion{,_low,_high}", "<prefix>_split_group_size" (the G of the estimates)
+    and "<prefix>_split_df" (seeds - 1, the t interval's degrees of freedom).
+    """
+    runs = [split_half_change(p[0]["outcomes"], p[-1]["outcomes"], group_size)
+            for p in probes.values()]  # fmt: skip
+    records = {
+        f"{prefix}_split_df": len(runs) - 1,
+        f"{prefix}_split_group_size": min(run["group_size"] for run in runs),
+    }
+
+    def band(name, key):
+        values = [run[name] for run in runs]
+        if not np.all(np.isfinite(values)):  # a side empty in some seed: nothing to record
+            return
+        interval = mean_interval(values)
+        records[key] = interval["mean"]
+        if interval["low"] is not None:
+            records[f"{key}_low"], records[f"{key}_high"] = interval["low"], interval["high"]
+
+    band("criterion", f"{prefix}_flow_criterion")
+    for side in ("low", "high"):
+        band(f"{side}_change", f"{prefix}_split_{side}_change")
+        band(f"{side}_pass_rate_change", f"{prefix}_split_{side}_pass_rate_change")
+        records[f"{prefix}_split_{side}_prompts"] = float(
+            np.mean([run[f"{side}_prompts"] for run in runs])
+        )
+    return records
+
+
+def interval_text(records: dict, key: str) -> str:
+    """ "+0.012 [-0.050, +0.074]" for records[key] and its interval, or the words for what is
+    missing: the chapter glues this where a side of the split may be empty."""
+    if key not in records:
+        return "not measured (a seed had no prompt on this side)"
+    if f"{key}_low" not in records:
+        return f"{records[key]:+.3f} (no interval from one seed)"
+    return f"{records[key]:+.3f} [{records[f'{key}_low']:+.3f}, {records[f'{key}_high']:+.3f}]"
+
+
+def first_probe_counts(probes: dict) -> tuple[np.ndarray, int]:
+    """Every seed's first-probe counts, pooled: (seeds * J,), and K."""
+    runs = list(probes.values())
+    return np.concatenate([run[0]["correct"] for run in runs]), len(runs[0][0]["outcomes"][0])
 
 
 def long_run_problems(num_prompts: int, min_steps: int, seed: int):
@@ -284,8 +383,9 @@ def probed_runs(
     load_model, tokenizer, starts: dict, eval_data, config: GRPOConfig, seeds, *,
     num_prompts: int, probe_every: int, probe_samples: int, run_dir: str | Path, model_key: str,
     progress: bool = True,
-) -> dict:  # fmt: skip
-    """Every starting point's probed runs: start -> {seed: `observed_vs_predicted` table}.
+) -> tuple[dict, dict]:  # fmt: skip
+    """Every starting point's probed runs: (tables, probes), start -> {seed: its
+    `observed_vs_predicted` table} and start -> {seed: its `probed_run` probes}.
 
     starts: name -> the minimum number of worked steps of its training problems
     (`long_run_problems`); load_model() returns a fresh copy of the initial policy, which
@@ -295,10 +395,10 @@ def probed_runs(
     """
     # Every run starts from the same model: one greedy evaluation for all (as in one run).
     initial_accuracy = held_out_accuracy(load_model(), tokenizer, eval_data, config)
-    tables = {}
+    tables, all_probes = {}, {}
     for start, min_steps in starts.items():
         problems = long_run_problems(num_prompts, min_steps, config.seed)
-        tables[start] = {}
+        tables[start], all_probes[start] = {}, {}
         for seed in seeds:
             run_config = replace(config, seed=seed)
             fingerprint = run_fingerprint(
@@ -312,4 +412,5 @@ def probed_runs(
                 initial_accuracy=initial_accuracy,
             )  # fmt: skip
             tables[start][seed] = observed_vs_predicted(history, probes)
-    return tables
+            all_probes[start][seed] = probes
+    return tables, all_probes

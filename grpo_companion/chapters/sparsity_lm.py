@@ -13,15 +13,20 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from grpo_companion.chapters.sparsity import gradient_share, iid_degenerate_rate
+from grpo_companion.chapters.sparsity import (
+    beta_concentration_for,
+    gradient_share,
+    iid_degenerate_rate,
+)
 from grpo_companion.core.advantages import (
     degenerate_fractions,
     group_advantages,
     zero_advantage_fractions,
     zero_std_groups,
 )
+from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
-from grpo_companion.core.stats import metric_by_step, seed_band
+from grpo_companion.core.stats import interval_words, metric_by_step, seed_band
 from grpo_companion.lm.rollouts import Rollouts, sequence_log_probs
 
 
@@ -147,25 +152,25 @@ def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.n
     return metric_by_step([h for (name, _), h in histories.items() if name == method], metric)
 
 
-def side_of_zero(interval: dict, above: str, below: str, neither: str) -> str:
-    """The words for where a 95% interval lies: wholly above zero, wholly below, or across it."""
-    return above if interval["low"] > 0 else below if interval["high"] < 0 else neither
-
-
 def smoothed(values, window: int) -> np.ndarray:
     """Each run's moving average over `window` steps, (num_runs, num_steps): one step has only
     `per_step_prompts` groups, so its fractions move in large jumps."""
     return pd.DataFrame(np.asarray(values).T).rolling(window, min_periods=1).mean().to_numpy().T
 
 
-def remedy_summary(histories: dict, methods) -> tuple[dict, pd.DataFrame]:
-    """Final held-out accuracy of each method over seeds, and its difference from GRPO's.
+def remedy_summary(histories: dict, methods, reference: str, predicted: dict,
+                   names: dict) -> tuple[dict, pd.DataFrame]:  # fmt: skip
+    """Final held-out accuracy of each method over seeds, and its difference from the reference's.
 
     histories: (method, seed) -> `trainer.train` history; every method run on the same seeds, so
-    the differences are paired. Returns records "initial_accuracy" (mean over all runs of the
+    the differences are paired. reference: the arm the others are compared with; predicted:
+    method -> its predicted difference from the reference (`predicted_difference`); names:
+    method -> its name in the text. Returns records "initial_accuracy" (mean over all runs of the
     first evaluation); per method "<m>_final_accuracy{,_low,_high}" (mean and 95% interval over
-    seeds), "<m>_accuracy_gain" and "<m>_degenerate_rate" (over all steps); per method other than
-    "grpo", "<m>_minus_grpo{,_low,_high}" and "<m>_versus_grpo" (words); and a table by method.
+    seeds), "<m>_accuracy_gain{,_low,_high}" (final minus first evaluation) and
+    "<m>_degenerate_rate" (over all steps); per other method "<m>_minus_<reference>{,_low,_high}"
+    and "<m>_versus_<reference>" (`core.stats.interval_words` against the prediction); and a
+    table by method.
     """
     records = {"initial_accuracy": np.mean([h[0]["eval_accuracy"] for h in histories.values()])}
     rows = []
@@ -174,10 +179,9 @@ def remedy_summary(histories: dict, methods) -> tuple[dict, pd.DataFrame]:
         _, zero_std = runs_of(histories, name, "frac_reward_zero_std")
         final = seed_band(accuracy[:, -1:])
         gain = seed_band(accuracy[:, -1:] - accuracy[:, :1])
-        records[f"{name}_final_accuracy"] = final["mean"][0]
-        records[f"{name}_final_accuracy_low"] = final["low"][0]
-        records[f"{name}_final_accuracy_high"] = final["high"][0]
-        records[f"{name}_accuracy_gain"] = gain["mean"][0]
+        for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+            records[f"{name}_final_accuracy{suffix}"] = final[key][0]
+            records[f"{name}_accuracy_gain{suffix}"] = gain[key][0]
         records[f"{name}_degenerate_rate"] = zero_std.mean()
         rows.append(
             {
@@ -189,20 +193,61 @@ def remedy_summary(histories: dict, methods) -> tuple[dict, pd.DataFrame]:
                 "degenerate rate (all steps)": zero_std.mean(),
             }
         )
-    _, grpo_accuracy = runs_of(histories, "grpo", "eval_accuracy")
-    for name in [name for name in methods if name != "grpo"]:
+    _, reference_accuracy = runs_of(histories, reference, "eval_accuracy")
+    for name in [name for name in methods if name != reference]:
         _, accuracy = runs_of(histories, name, "eval_accuracy")
-        difference = seed_band(accuracy[:, -1:] - grpo_accuracy[:, -1:])
-        records[f"{name}_minus_grpo"] = difference["mean"][0]
-        records[f"{name}_minus_grpo_low"] = difference["low"][0]
-        records[f"{name}_minus_grpo_high"] = difference["high"][0]
-        records[f"{name}_versus_grpo"] = side_of_zero(
-            {key: values[0] for key, values in difference.items()},
-            "above GRPO's",
-            "below GRPO's",
-            "indistinguishable from GRPO's",
-        )
+        difference = seed_band(accuracy[:, -1:] - reference_accuracy[:, -1:])
+        key = f"{name}_minus_{reference}"
+        records[key] = difference["mean"][0]
+        records[f"{key}_low"] = difference["low"][0]
+        records[f"{key}_high"] = difference["high"][0]
+        records[f"{name}_versus_{reference}"] = interval_words(
+            difference["low"][0], difference["high"][0], predicted[name],
+            supports=f"on the predicted side of {names[reference]}'s",
+            contradicts=f"short of the predicted difference from {names[reference]}'s",
+        )  # fmt: skip
     return records, pd.DataFrame(rows).set_index("method")
+
+
+def run_regime(histories: dict, method: str, group_size: int) -> dict:
+    """Where the runs of `method` sat, over all their steps: "mean_pass_rate" (mean reward),
+    "degenerate_rate", "all_correct_share" (of the G-groups), and "concentration", the kappa of
+    the Beta(m kappa, (1 - m) kappa) with that mean and degenerate rate
+    (`sparsity.beta_concentration_for`), kept in [1e-3, 1e3] where Gauss-Jacobi quadrature
+    holds: 1e3 (nearly one pass rate) when the rate is at or below the i.i.d. prediction, 1e-3
+    when every group was degenerate."""
+    mean = runs_of(histories, method, "reward")[1].mean()
+    rate = runs_of(histories, method, "frac_reward_zero_std")[1].mean()
+    all_correct = runs_of(histories, method, "all_correct")[1].mean()
+    floor = iid_degenerate_rate(mean, group_size)["degenerate"][0]
+    if not 0 < mean < 1 or rate >= 1:
+        concentration = 1e-3
+    elif rate <= floor + 1e-9:
+        concentration = 1e3
+    else:
+        concentration = min(1e3, max(1e-3, beta_concentration_for(rate, mean, group_size)))
+    return {
+        "mean_pass_rate": float(mean),
+        "degenerate_rate": float(rate),
+        "all_correct_share": float(all_correct),
+        "concentration": float(concentration),
+    }
+
+
+def best_step_progress(mean: float, concentration: float, group_size: int, method: str,
+                       **options) -> float:  # fmt: skip
+    """1 - `exact.best_step_error`: the share of the squared true gradient that one step of
+    `method` at its best step size recovers, on prompts p ~ Beta(m kappa, (1 - m) kappa) with
+    no score noise (the setting most favourable to Sign, chapter 9)."""
+    mean = min(max(mean, 1e-3), 1 - 1e-3)
+    nodes, weights = beta_quadrature(mean * concentration, (1 - mean) * concentration)
+    return 1 - best_step_error(nodes, weights, group_size, method, **options)["relative_error"]
+
+
+def predicted_difference(reference_gain: float, progress: float, reference_progress: float):
+    """The predicted held-out gain of a method minus the reference's: the reference's measured
+    gain (0 if it fell) times the ratio of their `best_step_progress` less 1."""
+    return max(reference_gain, 0.0) * (progress / reference_progress - 1)
 
 
 # --- section 5: a pretrained model's samples --------------------------------------------------

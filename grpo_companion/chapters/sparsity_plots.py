@@ -13,8 +13,9 @@ from grpo_companion.core.stats import seed_band
 
 REMEDY_LABELS = {
     "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
     "sign": "Sign (A = 2r - 1)",
-    "filter": "GRPO, degenerate groups filtered",
+    "filter": "Dr. GRPO, degenerate groups filtered",
 }
 
 
@@ -75,6 +76,41 @@ def plot_degenerate_rate_theory(
         ylim=(0, 1.02),
     )
     ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_exact_flow(starts: list[dict], flow: dict, concentration: float) -> plt.Figure:
+    """The degenerate fraction D against the mean pass rate along the exact flows
+    (`sparsity_flow.flow_grid`) from the Beta starts of one concentration: one line per start
+    mean, solid for each prompt its own logit (sharing 0), dashed for one common shift (sharing
+    1); left the Beta starts, right the same shapes moved into [1/2, 1]. A dotted line marks
+    p = 1/2, where f' changes sign.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    means = sorted({start["mean"] for start in starts})
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(means)))
+    for axis, upper in zip(axes, (False, True)):
+        for index, start in enumerate(starts):
+            if start["upper_half"] != upper or start["concentration"] != concentration:
+                continue
+            if start["sharing"] not in (0, 1):
+                continue
+            axis.plot(
+                flow["pass_rate"][index], flow["degenerate"][index],
+                color=colors[means.index(start["mean"])],
+                linestyle="-" if start["sharing"] == 0 else "--",
+                label=f"start mean {start['mean']}" if start["sharing"] == 0 else None,
+            )  # fmt: skip
+        axis.axvline(0.5, color="gray", linestyle=":")
+        axis.set_xlabel("mean pass rate of the prompts")
+        axis.set_title(
+            "starts with every p_j >= 1/2"
+            if upper
+            else f"Beta starts, concentration {concentration}"
+        )
+    axes[0].set_ylabel("degenerate fraction D")
+    axes[0].legend(fontsize=8, title="solid: own logits; dashed: common shift", title_fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -379,6 +379,18 @@ def grad_pass_at_g(pass_rates, group_size):
     return group_size * (1 - p) ** group_size * p
 
 
+def degenerate_rate_slope(pass_rates, group_size):
+    """f'(p) = G (p^(G - 1) - (1 - p)^(G - 1)), the slope of the degenerate rate
+    f(p) = p^G + (1 - p)^G in the pass rate; (P,) like pass_rates. Negative below p = 1/2, zero
+    at 1/2, positive above: along any flow dE_j[f(p_j)]/dt = E_j[f'(p_j) dp_j/dt].
+
+    Chapter: :doc:`/book/06_sparsity`
+    """
+    group_size = check_group_size(group_size, minimum=1)
+    p = check_pass_rates(pass_rates)
+    return group_size * (p ** (group_size - 1) - (1 - p) ** (group_size - 1))
+
+
 def check_group_size(group_size, minimum=2):
     if int(group_size) != group_size or group_size < minimum:
         raise ValueError(f"group_size must be an integer >= {minimum}, got {group_size}")
