@@ -5,7 +5,7 @@ of chapter 5's credit spread) and the slope of independent means with its interv
 import numpy as np
 import pytest
 
-from grpo_companion.core.stats import expected_normal_range, slope_of_means
+from grpo_companion.core.stats import expected_normal_range, moving_block_bootstrap, slope_of_means
 
 
 def test_expected_normal_range_closed_forms_and_monte_carlo():
@@ -36,3 +36,37 @@ def test_slope_of_means_exact_line_and_interval_width():
     assert slope_of_means(x, [2.0] * 4, [0.1, None, 0.1, 0.1])["low"] is None
     with pytest.raises(ValueError, match="two distinct"):
         slope_of_means([4, 4], [1.0, 2.0], [0.1, 0.1])
+
+
+def ar1_series(n: int, phi: float, seed: int) -> np.ndarray:
+    """x_t = phi x_(t-1) + e_t, standard normal e, started from the stationary law."""
+    noise = np.random.default_rng(seed).standard_normal(n)
+    series = np.empty(n)
+    series[0] = noise[0] / np.sqrt(1 - phi**2)
+    for t in range(1, n):
+        series[t] = phi * series[t - 1] + noise[t]
+    return series
+
+
+def test_moving_block_bootstrap_is_wider_than_the_iid_one_on_an_ar1_series():
+    series = ar1_series(400, 0.8, seed=0)
+    iid = moving_block_bootstrap(series, 1, 4000, seed=1)
+    blocks = moving_block_bootstrap(series, 20, 4000, seed=1)
+    # The mean of an AR(1) series has variance about (1 + phi) / (1 - phi) = 9 times the i.i.d.
+    # one: the blocks recover most of that factor, the i.i.d. bootstrap none of it.
+    assert iid.std() == pytest.approx(series.std() / np.sqrt(400), rel=0.1)
+    assert blocks.std() > 2 * iid.std()
+    assert blocks.mean() == pytest.approx(series.mean(), abs=0.1)
+
+
+def test_moving_block_bootstrap_is_seeded_and_checks_its_block():
+    series = np.arange(10.0)
+    first = moving_block_bootstrap(series, 3, 50, seed=7)
+    assert first.shape == (50,)
+    np.testing.assert_array_equal(first, moving_block_bootstrap(series, 3, 50, seed=7))
+    assert not np.array_equal(first, moving_block_bootstrap(series, 3, 50, seed=8))
+    # One block of the whole series is the series itself: every resample has its mean.
+    np.testing.assert_allclose(moving_block_bootstrap(series, 10, 5, seed=0), 4.5)
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="block_length"):
+            moving_block_bootstrap(series, bad, 5, seed=0)

@@ -179,7 +179,7 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
     credit (right) against the number of steps k, means with 95% t-intervals over seeds.
 
     records: `credit_training.credit_gain_summary`'s. The dashed line on the right is the fitted
-    slope of the gain against k through the mean gain.
+    slope of the gain against k through the mean gain, the dotted one the predicted slope.
     """
     step_counts = records["credit_step_counts"]
     keys = [str(k) for k in step_counts]
@@ -204,9 +204,13 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
     fitted = mean_gain + records["credit_gain_slope"] * (np.array(step_counts) - mean_k)
     axes[1].plot(step_counts, fitted, "--", color="C2", alpha=0.7,
                  label=f"fitted slope {records['credit_gain_slope']:+.3f} per step")  # fmt: skip
+    predicted = records["predicted_credit_gain_slope"]
+    if predicted is not None:
+        axes[1].plot(step_counts, mean_gain + predicted * (np.array(step_counts) - mean_k), ":",
+                     color="C3", label=f"predicted slope {predicted:+.3f} per step")  # fmt: skip
     axes[1].axhline(0, color="black", linewidth=0.8)
     axes[1].set(
-        title=f"gain of step-level credit as k grows: {records['credit_gain_trend']}",
+        title="paired gain of step-level credit against k",
         xlabel="steps per problem k",
         ylabel="accuracy gain",
         xticks=step_counts,

@@ -15,9 +15,14 @@ arms from the same warm start on problems of k = 1, 2, ... steps
 Both arms of a seed share everything else: the configuration (so the same number of rollouts),
 the training prompts in the same order, the sampler's seeds and the held-out problems, so their
 difference is paired. `credit_gain_summary` reads the histories: per k the final held-out
-accuracy of each arm and the paired gain with 95% t-intervals over seeds, the slope of the gain
-against k (per seed, then a t-interval over seeds: `stats.fitted_trend`), the words that say
-what the interval shows, and the training steps each arm took to reach a target accuracy.
+accuracy of each arm, the outcome arm's gain over the warm start (did training move the model?)
+and the paired gain with 95% t-intervals over seeds, the slope of the gain against k (per seed,
+then a t-interval over seeds: `stats.fitted_trend`), read against the slope that
+`predicted_gain_slope` derives from section 2's exact toy (`stats.interval_words`, the ledger's
+comparison), and the training steps each arm took to reach a target accuracy.
+
+Why the warm start fails at some k: `warm_start_step_counts` reads the worked lines of the
+stories it was trained on, `warm_start_worked_lines` counts the lines it writes at each k.
 """
 
 from collections.abc import Callable, Iterable
@@ -29,8 +34,12 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from grpo_companion.core.stats import fitted_trend, mean_interval
+from grpo_companion.core.stats import fitted_trend, interval_words, mean_interval
+from grpo_companion.lm import gsm8k
 from grpo_companion.lm.gsm8k import load_arithmetic_chains
+from grpo_companion.lm.models import build_prompts
+from grpo_companion.lm.rollouts import greedy_completions
+from grpo_companion.lm.steps import worked_lines
 from grpo_companion.lm.trainer import GRPOConfig, held_out_accuracy, train
 
 ARMS = ("outcome", "process")
@@ -101,12 +110,43 @@ def run_credit_comparison(
     return histories
 
 
-def side_of_zero(interval: dict, above: str, below: str, neither: str) -> str:
-    """The words for where an interval lies: wholly above zero, wholly below, or across it (or
-    no interval at all: fewer than two seeds)."""
-    if interval["low"] is None:
-        return neither
-    return above if interval["low"] > 0 else below if interval["high"] < 0 else neither
+def warm_start_step_counts() -> list[int]:
+    """The numbers of worked lines in the answers of the stories the tiny Llama was warm-started
+    on (``gsm8k._TEMPLATES``, the "arithmetic" source): one line per operation of a template."""
+    return sorted({len(ops) // 2 for ops in gsm8k._TEMPLATES})
+
+
+def warm_start_worked_lines(
+    model, tokenizer, step_counts: Iterable[int], num_problems: int, config: GRPOConfig, *,
+    data_seed: int = 0,
+) -> dict[str, float]:  # fmt: skip
+    """Per k, the mean number of worked lines in the model's greedy answers to the first
+    `num_problems` held-out problems of k steps (those `run_credit_comparison` evaluates on),
+    with ``config.max_completion_length`` tokens: does it write k lines?"""
+    counts = {}
+    for k in step_counts:
+        problems = load_arithmetic_chains("test", k, num_problems, seed=data_seed)
+        _, texts = greedy_completions(
+            model, tokenizer, *build_prompts(tokenizer, problems),
+            max_completion_length=config.max_completion_length,
+            batch_size=config.rollout_batch_size,
+        )  # fmt: skip
+        counts[str(k)] = float(np.mean([len(worked_lines(text)) for text in texts]))
+    return counts
+
+
+def predicted_gain_slope(
+    variance_ratio: float, toy_steps: int, outcome_gain: float
+) -> float | None:
+    """Section 5: the slope of the paired gain against k if step credit did what section 2
+    prices. Perfect credit makes a rollout worth R(k) outcome rollouts, R(k) = variance_ratio *
+    k / toy_steps (the toy's ratio, grown in proportion to the steps as exercise 1's uniform
+    case grows with the positions); with gains proportional to rollouts, the paired gain is
+    (R(k) - 1) * outcome_gain, whose slope is variance_ratio / toy_steps * outcome_gain. None
+    when the outcome arm gained nothing: no scale to predict from."""
+    if not outcome_gain > 0:
+        return None
+    return variance_ratio / toy_steps * outcome_gain
 
 
 def _grid(histories: dict, arm: str, metric_of: Callable[[list[dict]], float]):
@@ -131,25 +171,34 @@ def steps_to_target(history: list[dict], target: float) -> int | None:
     return None
 
 
-def credit_gain_summary(histories: dict, target_gain: float = 0.05) -> tuple[dict, pd.DataFrame]:
+def credit_gain_summary(
+    histories: dict, target_gain: float, variance_ratio: float, toy_steps: int
+) -> tuple[dict, pd.DataFrame]:
     """What the runs of `run_credit_comparison` say about the prediction.
 
     Args:
         histories: (arm, k, seed) -> history, both arms for every k and seed, at least two k
             and two seeds.
         target_gain: the target accuracy of a k is the warm start's accuracy there plus this.
+        variance_ratio, toy_steps: section 2's exact variance ratio and the number of result
+            positions of its toy, for `predicted_gain_slope`.
 
     Returns:
         records: "credit_step_counts", "credit_num_seeds", "credit_initial_accuracy" (per k,
-        the warm start's held-out accuracy, shared by every run of k), "credit_final_accuracy"
-        (per arm, per k: mean, low, high over seeds), "credit_gain" (per k: the paired gain
-        process - outcome, mean, low, high), "credit_gain_range" (the gains at the smallest
-        and largest k, in words), "credit_gain_slope" with "_low" and "_high" (gain per step of
-        k), "credit_gain_trend" ("grows", "shrinks" or "cannot be told apart from a constant",
-        from the slope's interval), "credit_prediction" ("supports", "contradicts" or "can
-        neither support nor contradict"), "credit_target_gain" and "credit_steps_to_target"
-        (per arm, per k: the mean over the seeds that reached the target, None where none
-        did, and how many did).
+        the warm start's held-out accuracy, shared by every run of k) and its minimum
+        "credit_warm_start_min", "credit_final_accuracy" (per arm, per k: mean, low, high over
+        seeds), "credit_outcome_gain" (per k: the outcome arm's final minus the warm start's
+        accuracy, mean, low, high), "credit_outcome_learned_count" (the k whose outcome gain
+        has an interval above 0), "credit_outcome_mean_gain" (over k and seeds),
+        "credit_gain" (per k: the paired gain process - outcome, mean, low, high),
+        "credit_gain_range" (the gains at the smallest and largest k, in words),
+        "credit_gain_slope" with "_low" and "_high" (gain per step of k),
+        "predicted_credit_gain_slope" and "_how" (`predicted_gain_slope` and how),
+        "credit_prediction" (`stats.interval_words` of the slope's interval against the
+        prediction: "supports", "contradicts" or "can neither support nor contradict the
+        predicted effect"), "credit_target_gain" and "credit_steps_to_target" (per arm, per
+        k: the mean over the seeds that reached the target, None where none did, and how
+        many did).
         table: one row per k, the same numbers as columns.
     """
     step_counts, seeds, outcome = _grid(histories, "outcome", final_accuracy)
@@ -165,9 +214,12 @@ def credit_gain_summary(histories: dict, target_gain: float = 0.05) -> tuple[dic
         for arm, values in (("outcome", outcome), ("process", process))
     }
     gain = {str(k): mean_interval(gains[:, j]) for j, k in enumerate(step_counts)}
+    learned = outcome - np.array([initial[k] for k in step_counts])  # (num_seeds, num_k)
+    outcome_gain = {str(k): mean_interval(learned[:, j]) for j, k in enumerate(step_counts)}
     trend = fitted_trend(step_counts, gains)
     slope = {key: trend[key] for key in ("mean", "low", "high")}
-    words = side_of_zero(slope, "grows", "shrinks", "cannot be told apart from a constant")
+    mean_outcome_gain = float(learned.mean())
+    predicted = predicted_gain_slope(variance_ratio, toy_steps, mean_outcome_gain)
     reached = {}
     for arm in ARMS:
         reached[arm] = {}
@@ -183,7 +235,14 @@ def credit_gain_summary(histories: dict, target_gain: float = 0.05) -> tuple[dic
         "credit_step_counts": step_counts,
         "credit_num_seeds": len(seeds),
         "credit_initial_accuracy": {str(k): value for k, value in initial.items()},
+        "credit_warm_start_min": min(initial.values()),
         "credit_final_accuracy": final,
+        "credit_outcome_gain": outcome_gain,
+        "credit_outcome_learned_count": sum(
+            interval["low"] is not None and interval["low"] > 0
+            for interval in outcome_gain.values()
+        ),
+        "credit_outcome_mean_gain": mean_outcome_gain,
         "credit_gain": gain,
         "credit_gain_range": f"{_interval_text(gain[first])} at {first} step"
         + ("s" if first != "1" else "")
@@ -191,15 +250,32 @@ def credit_gain_summary(histories: dict, target_gain: float = 0.05) -> tuple[dic
         "credit_gain_slope": slope["mean"],
         "credit_gain_slope_low": slope["low"],
         "credit_gain_slope_high": slope["high"],
-        "credit_gain_trend": words,
-        "credit_prediction": {
-            "grows": "supports",
-            "shrinks": "contradicts",
-        }.get(words, "can neither support nor contradict"),
+        "predicted_credit_gain_slope": predicted,
+        "predicted_credit_gain_slope_how": _prediction_words(
+            predicted, variance_ratio, toy_steps, mean_outcome_gain
+        ),
+        "credit_prediction": interval_words(
+            slope["low"], slope["high"], predicted, supports="supports", contradicts="contradicts"
+        ),
         "credit_target_gain": target_gain,
         "credit_steps_to_target": reached,
     }
-    return records, _table(step_counts, initial, final, gain, reached)
+    return records, _table(step_counts, initial, final, outcome_gain, gain, reached)
+
+
+def _prediction_words(predicted, variance_ratio, toy_steps, outcome_gain) -> str:
+    """How `predicted_gain_slope` was computed, in one sentence with its numbers."""
+    if predicted is None:
+        return (
+            f"none: the outcome arm's mean held-out gain ({outcome_gain:+.3f}) is not above 0, "
+            "so there is no scale to predict from"
+        )
+    return (
+        f"{predicted:+.4f} per step, section 2's exact variance ratio per result position "
+        f"({variance_ratio:.2f} / {toy_steps}) times the outcome arm's mean held-out gain "
+        f"({outcome_gain:+.3f}): the slope if step credit made each rollout worth R(k) outcome "
+        "rollouts, R growing in proportion to k, and gains grew in proportion to rollouts"
+    )
 
 
 def _interval_text(interval: dict) -> str:
@@ -207,12 +283,14 @@ def _interval_text(interval: dict) -> str:
     return f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
 
 
-def _table(step_counts, initial, final, gain, reached) -> pd.DataFrame:
+def _table(step_counts, initial, final, outcome_gain, gain, reached) -> pd.DataFrame:
     rows = []
     for k in map(str, step_counts):
         row = {"k (steps)": int(k), "warm start": initial[int(k)]}
         for arm in ARMS:
             row[f"{arm}: final"] = final[arm][k]["mean"]
+        for key in ("mean", "low"):
+            row[f"outcome gain: {key}"] = outcome_gain[k][key]
         for key in ("mean", "low", "high"):
             row[f"gain: {key}"] = gain[k][key]
         for arm in ARMS:

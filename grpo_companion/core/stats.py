@@ -145,3 +145,25 @@ def interval_words(low, high, predicted, supports: str, contradicts: str) -> str
     if reading == CONTRADICTS:
         return contradicts
     return "can neither support nor contradict the predicted effect"
+
+
+def moving_block_bootstrap(values, block_length: int, num_resamples: int, seed: int) -> np.ndarray:
+    """Means of `num_resamples` moving-block bootstrap resamples of a series (n,), e.g. one
+    metric over the consecutive steps of one run (chapter 11, section 4).
+
+    Each resample joins blocks of `block_length` consecutive values, their starts drawn with
+    replacement among the n - block_length + 1 possible ones, and is cut to n values. Neighbouring
+    steps share a policy, so their values are correlated; blocks keep that correlation, which the
+    i.i.d. bootstrap (block_length 1) drops, understating the spread of the mean. Returns
+    (num_resamples,) float64; seeded by `seed` alone.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    n = values.size
+    if not 1 <= block_length <= n:
+        raise ValueError(f"need 1 <= block_length <= {n} values, got {block_length}")
+    num_blocks = -(-n // block_length)
+    starts = np.random.default_rng(seed).integers(
+        0, n - block_length + 1, size=(num_resamples, num_blocks)
+    )
+    index = (starts[:, :, None] + np.arange(block_length)).reshape(num_resamples, -1)[:, :n]
+    return values[index].mean(axis=1)
