@@ -212,6 +212,60 @@ def test_training_summary_averages_the_first_and_last_steps():
     assert [run.reward_window(steps) for steps in (3, 10, 100, 105)] == [1, 1, 10, 10]
 
 
+def _sparsity_frame(rewards, all_correct, all_wrong):
+    rows = [{"step": 0, "reward": None, "all_correct": None, "all_wrong": None}]
+    for step, values in enumerate(zip(rewards, all_correct, all_wrong), start=1):
+        rows.append(dict(zip(("step", "reward", "all_correct", "all_wrong"), (step, *values))))
+    return run.history_frame(rows)
+
+
+def test_window_change_and_its_block_bootstrap_interval():
+    values = np.r_[np.full(10, 0.2), np.linspace(0.2, 0.5, 80), np.full(10, 0.5)]
+    values = values + 0.02 * np.random.default_rng(0).standard_normal(100)
+    change = run.window_change(values, 10, 2000, seed=0)
+    assert change["mean"] == pytest.approx(values[-10:].mean() - values[:10].mean())
+    assert 0 < change["low"] < change["mean"] < change["high"] < 0.5
+    assert change == run.window_change(values, 10, 2000, seed=0)  # seeded
+    assert run.window_change(values, 1, 2000, seed=0)["low"] is None  # one step: no interval
+    assert [run.block_length(n) for n in (1, 3, 10, 20, 30)] == [1, 1, 2, 3, 3]
+
+
+def test_degenerate_prediction_is_the_iid_rate_at_the_window_means():
+    G = 8
+    rate = lambda p: p**G + (1 - p) ** G  # noqa: E731
+    assert run.degenerate_prediction(0.6, 0.8, G) == pytest.approx(rate(0.8) - rate(0.6))
+    assert run.degenerate_prediction(0.6, 0.8, G) > 0  # away from 1/2: more degenerate groups
+    assert run.degenerate_prediction(0.2, 0.4, G) < 0  # towards 1/2: fewer
+    assert run.degenerate_prediction(0.3, 0.7, G) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_sparsity_change_reads_the_change_against_the_prediction():
+    steps = 40
+    rising = np.linspace(0.6, 0.9, steps)  # a run past p = 1/2: the iid rate rises
+    noise = 0.01 * np.random.default_rng(1).standard_normal(steps)
+    records = run.sparsity_change(
+        _sparsity_frame(rising, rising**4 + noise, (1 - rising) ** 4), 8, 4, 1000, seed=0
+    )
+    assert records["train_reward_change_low"] > 0  # the training reward rose
+    assert records["predicted_degenerate_change"] > 0
+    assert records["predicted_degenerate_change_how"].startswith(
+        f"{records['predicted_degenerate_change']:+.4f}, "
+    )
+    assert records["degenerate_change_low"] > 0 and records["degenerate_change_words"] == "supports"
+    flat = run.sparsity_change(
+        _sparsity_frame(rising, np.full(steps, 0.1) + noise, np.zeros(steps)), 8, 4, 1000, seed=0
+    )
+    assert flat["degenerate_change_high"] < flat["predicted_degenerate_change"]
+    assert flat["degenerate_change_words"] == "contradicts"
+    assert flat["degenerate_block_length"] == 2
+    low, high = flat["degenerate_change_low"], flat["degenerate_change_high"]
+    assert flat["degenerate_change_text"].endswith(f"95% interval [{low:+.3f}, {high:+.3f}]")
+    short = run.sparsity_change(_sparsity_frame(rising[:3], rising[:3], rising[:3]), 1, 4, 10, 0)
+    assert short["degenerate_change_low"] is None
+    assert short["degenerate_change_text"].endswith("(no interval: a window of one step)")
+    assert short["degenerate_change_words"].startswith("can neither")
+
+
 def test_changed_problems_lists_the_flipped_ones():
     problems = load_gsm8k("test", source="arithmetic", num_examples=4, seed=0)
     golds = [gold_answer(answer) for answer in problems["answer"]]
