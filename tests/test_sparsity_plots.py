@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from grpo_companion.chapters import sparsity_flow, sparsity_plots
 from grpo_companion.chapters.sparsity import beta_rate_curves, iid_rate_curve
 from grpo_companion.chapters.sparsity_plots import (
     plot_degenerate_rate_theory,
@@ -88,3 +89,14 @@ def test_remedies_draw_each_methods_mean_over_seeds():
     labels = [text.get_text() for text in accuracy.get_legend().get_texts()]
     assert labels == ["GRPO", "Sign (A = 2r - 1)"]
     assert "2 seeds" in fig.texts[0].get_text()
+
+
+def test_plot_exact_flow_draws_own_and_common_lines_on_both_panels():
+    starts, flow = sparsity_flow.flow_grid(
+        [0.3, 0.7], [2.0], [0.0, 0.5, 1.0], num_prompts=50, group_size=4, step_size=0.1,
+        num_steps=20,
+    )  # fmt: skip
+    fig = sparsity_plots.plot_exact_flow(starts, flow, 2.0)
+    # two means x (own, common) per panel; sharing 1/2 is left out of the figure
+    assert [len(axis.get_lines()) for axis in fig.axes] == [5, 5]  # 4 flows + the line at 1/2
+    plt.close(fig)
