@@ -3,11 +3,13 @@ r"""Chapter 6, section 3: does sparsity intensify over training? A run long enou
 The paper's third claim has a premise and a consequence. The premise: training moves the pass
 rates p_j of the training prompts toward 1. The consequence: then more groups are all-correct,
 so more are degenerate, and the gradient gets sparser. A 20-step run on a large training set
-never tests either. Here GRPO trains on a small fixed set of prompts for many epochs (the regime
-of a real RL run that masters its training set), and every `probe_every` steps each training
-prompt's pass rate is estimated from K = `probe_samples` extra completions that are never
-trained on (`probe_pass_rates`). From the probe, section 1's theory predicts the degenerate
-fraction of the next steps' groups without looking at them:
+never tests either. Here GRPO trains on a small fixed set of prompts for many epochs (it
+memorises them: a test of how the degenerate fraction follows the training prompts' pass rates,
+not of a run that learns the task), and every `probe_every` steps each training prompt's pass
+rate is estimated from K = `probe_samples` extra completions that are never trained on
+(`probe_outcomes`, which keeps every completion's outcome for `split_half_change`). From the
+probe, section 1's theory predicts the degenerate fraction of the next steps' groups without
+looking at them:
 
     Pr[all correct] = mean_j p_j^G,  Pr[all wrong] = mean_j (1 - p_j)^G,
 
