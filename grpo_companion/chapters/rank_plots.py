@@ -158,11 +158,11 @@ def plot_stable_rank_by_k(table: pd.DataFrame) -> Figure:
         part = table[table["group_size"] == size]
         k = torch.arange(1, size)
         closed_form = orthogonal_stable_rank(size, k).numpy()
-        ax.plot(k.numpy(), closed_form, "k-", lw=1, label="closed form")
+        ax.plot(k.numpy(), closed_form, "k_-", lw=1, ms=14, label="closed form")
         for i, (model, rows) in enumerate(part.groupby("model", sort=False)):
             ax.plot(rows["k"], rows["measured"], "o", color=f"C{i}", label=model)
         ax.axhline(2, color="k", lw=0.8, ls="--")
-        ax.set(title=f"G = {size}", xlabel="k correct")
+        ax.set(title=f"G = {size}", xlabel="k correct", xticks=k.numpy())
     axes[0, 0].set_ylabel("stable rank of diag(A) S")
     axes[0, 0].legend(fontsize="x-small")
     fig.tight_layout()
