@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import threading
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,103 @@ def test_no_page_shows_a_path_of_the_machine_that_built_it(built):
         if re.search(marker, path.read_text(errors="replace"))
     }
     assert not leaks
+
+
+class _ProseText(HTMLParser):
+    """The text of an HTML page outside its head, code and math elements. Sphinx wraps each
+    formula in an element of class `math` and MathJax typesets only those (the page's `document`
+    class is ignored), so TeX delimiters in the rest of the text stay on the page as typed."""
+
+    SKIPPED = {"head", "script", "style", "pre", "code", "kbd", "samp", "textarea"}
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "wbr"}
+
+    def __init__(self):
+        super().__init__()
+        self.open, self.skipping, self.parts = [], 0, []  # open: (tag, skipped) pairs
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.VOID:
+            return
+        skipped = tag in self.SKIPPED or "math" in (dict(attrs).get("class") or "").split()
+        self.open.append((tag, skipped))
+        self.skipping += skipped
+
+    def handle_endtag(self, tag):
+        tags = [name for name, _ in self.open]
+        if tag in tags:  # close it and whatever the page left open inside it
+            first = len(tags) - 1 - tags[::-1].index(tag)
+            self.skipping -= sum(skipped for _, skipped in self.open[first:])
+            del self.open[first:]
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.parts.append(data)
+
+
+UNRENDERED_MATH = re.compile(r"\$|\\\(|\\\[")
+
+
+def unrendered_math(page: str) -> list[str]:
+    """Each `$`, `\\(` or `\\[` in the text of the HTML `page` outside math and code, with 40
+    characters of context either side: math that the reader sees as raw TeX."""
+    parser = _ProseText()
+    parser.feed(page)
+    parser.close()
+    text = "".join(parser.parts)
+    return [
+        text[max(hit.start() - 40, 0) : hit.end() + 40] for hit in UNRENDERED_MATH.finditer(text)
+    ]
+
+
+# A paragraph of chapter 3 as Sphinx renders it when a source line begins with `+ \nabla k_3`:
+# MyST reads the line as a bullet, and the paragraph's `$...$` pairs no longer match.
+BROKEN_PARAGRAPH = r"""
+<p>in value, not in gradient, and at <span class="math notranslate nohighlight">\(\rho_t =
+1\)</span>, $\nabla(\rho_t k_3) = k_3 \nabla \log \pi_\theta</p>
+<ul class="simple">
+<li><p>\nabla k_3 = \lambda_t \nabla \log \pi_\theta<span class="math notranslate nohighlight">\(,
+\)</span>k_2<span class="math notranslate nohighlight">\('s gradient: the reverse KL again. These
+are per-token statements, with the prefix drawn from \)</span>\pi_\theta<span class="math
+notranslate nohighlight">\( but not differentiated. The
+gradient of a whole sequence's KL also credits each token with the KL of the tokens after it (and
+the forward KL draws its prefixes from \)</span>\pi_{\text{ref}}$); with one token the two
+coincide.</p></li>
+</ul>
+"""
+# The same paragraph with the `+` inside the formula's line.
+FIXED_PARAGRAPH = r"""
+<p>in value, not in gradient, and at <span class="math notranslate nohighlight">\(\rho_t =
+1\)</span>,
+<span class="math notranslate nohighlight">\(\nabla(\rho_t k_3) = k_3 \nabla \log \pi_\theta +
+\nabla k_3 = \lambda_t \nabla \log \pi_\theta\)</span>,
+<span class="math notranslate nohighlight">\(k_2\)</span>’s gradient: the reverse KL again. These
+are per-token statements, with the prefix drawn from <span class="math notranslate
+nohighlight">\(\pi_\theta\)</span> but not differentiated. The
+gradient of a whole sequence’s KL also credits each token with the KL of the tokens after it (and
+the forward KL draws its prefixes from <span class="math notranslate
+nohighlight">\(\pi_{\text{ref}}\)</span>); with one token the two coincide.</p>
+"""
+
+
+def test_unrendered_math_finds_a_paragraph_split_by_a_bullet():
+    hits = unrendered_math(BROKEN_PARAGRAPH)
+    assert hits and any(r"$\nabla(\rho_t" in hit for hit in hits)
+    assert unrendered_math(FIXED_PARAGRAPH) == []
+    # TeX in code and in display math is not prose; a lone `$` in a paragraph is.
+    code = '<p><code>$x</code></p><pre>\\(y\\)</pre><div class="math">\\[z\\]</div>'
+    assert unrendered_math(code) == []
+    assert unrendered_math("<p>a <em>b</em> $c</p>") == ["a b $c"]
+
+
+def test_no_page_shows_unrendered_math(built):
+    project, _, _ = built
+    pages = sorted((project.build_dir / "html").rglob("*.html"))
+    assert pages
+    found = {
+        str(path.relative_to(project.build_dir / "html")): unrendered_math(path.read_text())
+        for path in pages
+    }
+    assert not {page: hits for page, hits in found.items() if hits}
 
 
 # (function, the layer's API page, the chapter that derives it): the chapter's equation links
