@@ -164,7 +164,8 @@ def test_runs_pair_the_arms_at_tiny_size(random_tiny):
         num_generations=2, per_step_prompts=2, max_completion_length=6, learning_rate=1e-2,
         max_steps=2, eval_every=2, micro_batch_size=8, rollout_batch_size=8,
     )  # fmt: skip
-    histories = run_credit_comparison(fresh, tokenizer, [1, 2], [0, 1], config, 4, 2)
+    # one process, so that the loads are counted here (workers fork their own copies)
+    histories = run_credit_comparison(fresh, tokenizer, [1, 2], [0, 1], config, 4, 2, workers=1)
     assert sorted(histories) == sorted(
         (arm, k, seed) for arm in ARMS for k in (1, 2) for seed in (0, 1)
     )

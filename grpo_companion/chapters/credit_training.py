@@ -26,36 +26,22 @@ stories it was trained on, `warm_start_worked_lines` counts the lines it writes 
 """
 
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
 import pandas as pd
-import torch
-from tqdm import tqdm
 
 from grpo_companion.core.stats import fitted_trend, interval_words, mean_interval
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.gsm8k import load_arithmetic_chains
 from grpo_companion.lm.models import build_prompts
+from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import greedy_completions
 from grpo_companion.lm.steps import worked_lines
 from grpo_companion.lm.trainer import GRPOConfig, held_out_accuracy, train
 
 ARMS = ("outcome", "process")
 ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit"}
-
-
-@contextmanager
-def _torch_threads(num_threads: int | None):
-    """torch's intra-op threads set for a block, then restored; None leaves them alone."""
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def run_credit_comparison(
@@ -68,7 +54,7 @@ def run_credit_comparison(
     num_eval_prompts: int,
     *,
     data_seed: int = 0,
-    num_threads: int | None = None,
+    workers: int | None = None,
     progress: bool = False,
 ) -> dict[tuple[str, int, int], list[dict]]:
     """Train the outcome and the process arm for every number of steps k and seed.
@@ -83,31 +69,32 @@ def run_credit_comparison(
         config: the GRPO settings of both arms; its ``credit`` is replaced by the arm.
         num_train_prompts, num_eval_prompts: problems per k, the same for every seed
             (generated with `data_seed`); the eval problems are the test split's.
-        num_threads: torch threads while training (None: as set). On the idle two-core
-            machine two threads are 1.7 times faster than one for the tiny Llama (0.76 against
-            1.27 s a step, measured 2026-12-04); one was faster only beside other jobs.
+        workers: one-thread worker processes for the runs (`lm.parallel.map_runs`; None: one
+            per core, 1: in this process); the histories do not depend on it.
 
     Returns:
         histories: (arm, k, seed) -> `trainer.train` history.
     """
     step_counts, seeds = list(step_counts), list(seeds)
-    runs = [(k, seed, arm) for k in step_counts for seed in seeds for arm in ARMS]
-    histories, data, before = {}, {}, {}
-    with _torch_threads(num_threads):
-        for k, seed, arm in tqdm(runs, desc="credit runs", disable=not progress):
-            if k not in data:
-                data[k] = (
-                    load_arithmetic_chains("train", k, num_train_prompts, seed=data_seed),
-                    load_arithmetic_chains("test", k, num_eval_prompts, seed=data_seed),
-                )
-                # Every run at this k starts from the same model: one greedy evaluation.
-                before[k] = held_out_accuracy(model_loader(), tokenizer, data[k][1], config)
-            run_config = replace(config, credit=arm, seed=seed)
-            histories[arm, k, seed] = train(
-                model_loader(), tokenizer, *data[k], run_config, progress=False,
-                initial_accuracy=before[k],
-            )  # fmt: skip
-    return histories
+    data = {
+        k: (
+            load_arithmetic_chains("train", k, num_train_prompts, seed=data_seed),
+            load_arithmetic_chains("test", k, num_eval_prompts, seed=data_seed),
+        )
+        for k in step_counts
+    }
+    # Every run at one k starts from the same model: one greedy evaluation each.
+    before = {k: held_out_accuracy(model_loader(), tokenizer, data[k][1], config) for k in data}
+
+    def run(key):
+        arm, k, seed = key
+        return train(
+            model_loader(), tokenizer, *data[k], replace(config, credit=arm, seed=seed),
+            progress=False, initial_accuracy=before[k],
+        )  # fmt: skip
+
+    runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in ARMS]
+    return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress)
 
 
 def warm_start_step_counts() -> list[int]:

@@ -37,6 +37,7 @@ from grpo_companion.core.exact import degenerate_rate_slope
 from grpo_companion.core.stats import fitted_trend, mean_interval, seed_band
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.models import build_prompts
+from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import generate_rollouts
 from grpo_companion.lm.trainer import GRPOConfig, held_out_accuracy, train
 
@@ -384,7 +385,7 @@ def run_fingerprint(*parts) -> str:
 def probed_runs(
     load_model, tokenizer, starts: dict, eval_data, config: GRPOConfig, seeds, *,
     num_prompts: int, probe_every: int, probe_samples: int, run_dir: str | Path, model_key: str,
-    progress: bool = True,
+    progress: bool = True, workers: int | None = None,
 ) -> tuple[dict, dict]:  # fmt: skip
     """Every starting point's probed runs: (tables, probes), start -> {seed: its
     `observed_vs_predicted` table} and start -> {seed: its `probed_run` probes}.
@@ -393,26 +394,35 @@ def probed_runs(
     (`long_run_problems`); load_model() returns a fresh copy of the initial policy, which
     `model_key` names (e.g. `TinyLlamaSpec.cache_key()`). Each run
     checkpoints under run_dir/<start>_seed<seed>_<fingerprint>: an interrupted build resumes
-    it, and a finished one is read back.
+    it, and a finished one is read back. The runs go to `workers` one-thread processes
+    (`lm.parallel.map_runs`; None: one per core).
     """
     # Every run starts from the same model: one greedy evaluation for all (as in one run).
     initial_accuracy = held_out_accuracy(load_model(), tokenizer, eval_data, config)
-    tables, all_probes = {}, {}
-    for start, min_steps in starts.items():
-        problems = long_run_problems(num_prompts, min_steps, config.seed)
-        tables[start], all_probes[start] = {}, {}
-        for seed in seeds:
-            run_config = replace(config, seed=seed)
-            fingerprint = run_fingerprint(
-                vars(run_config), problems["question"], eval_data["question"],
-                probe_every, probe_samples, model_key,
-            )  # fmt: skip
-            history, probes = probed_run(
-                load_model(), tokenizer, problems, eval_data, run_config,
-                probe_every=probe_every, probe_samples=probe_samples, progress=progress,
-                checkpoint_dir=Path(run_dir) / f"{start}_seed{seed}_{fingerprint}",
-                initial_accuracy=initial_accuracy,
-            )  # fmt: skip
-            tables[start][seed] = observed_vs_predicted(history, probes)
-            all_probes[start][seed] = probes
+    problems = {
+        start: long_run_problems(num_prompts, min_steps, config.seed)
+        for start, min_steps in starts.items()
+    }
+
+    def run(key):
+        start, seed = key
+        run_config = replace(config, seed=seed)
+        fingerprint = run_fingerprint(
+            vars(run_config), problems[start]["question"], eval_data["question"],
+            probe_every, probe_samples, model_key,
+        )  # fmt: skip
+        return probed_run(
+            load_model(), tokenizer, problems[start], eval_data, run_config,
+            probe_every=probe_every, probe_samples=probe_samples, progress=False,
+            checkpoint_dir=Path(run_dir) / f"{start}_seed{seed}_{fingerprint}",
+            initial_accuracy=initial_accuracy,
+        )  # fmt: skip
+
+    keys = [(start, seed) for start in starts for seed in seeds]
+    runs = map_runs(run, keys, workers=workers, desc="long runs", progress=progress)
+    tables = {start: {} for start in starts}
+    all_probes = {start: {} for start in starts}
+    for (start, seed), (history, probes) in runs.items():
+        tables[start][seed] = observed_vs_predicted(history, probes)
+        all_probes[start][seed] = probes
     return tables, all_probes
