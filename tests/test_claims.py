@@ -472,6 +472,7 @@ TRAINED = {
     "P3_sparsity_grows",
     "R_sign_beats_dr_grpo",
     "P3_sparsity_grows_gsm8k",
+    "P3_sparsity_fresh_prompts",
 }
 
 
