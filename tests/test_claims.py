@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from grpo_companion.machinery.checks import evaluate_expression, expression_keys
 from grpo_companion.core.stats import interval_reading, interval_words
+from grpo_companion.machinery.checks import evaluate_expression, expression_keys
 from grpo_companion.machinery.claims import (
     EXAMPLES,
     GATE_EXAMPLES,
-    TIERS,
     INCONCLUSIVE,
     NEEDS_SETUP,
     NOT_REPRODUCED,
     QUALITATIVE,
     REPRODUCED,
+    TIERS,
     VERDICTS,
     Check,
     Claim,
@@ -627,6 +627,7 @@ def test_every_claim_has_a_key_equation_for_the_summary_page():
     }
     lines = markdown_summary({"claims": [row, {**row, "prediction": ""}]}).splitlines()
     # the verdict beside the claim's name, short enough to see without scrolling
-    assert lines[2] == "| **X** ({doc}`05_credit`) | {bdg-warning}`inconclusive: regime` | 0.25 | 0.5 |"
-    assert lines[3] == "| **X** ({doc}`05_credit`) | {bdg-warning}`inconclusive: regime` | — | 0.5 |"
+    badge = "{bdg-warning}`inconclusive: regime`"
+    assert lines[2] == f"| **X** ({{doc}}`05_credit`) | {badge} | 0.25 | 0.5 |"
+    assert lines[3] == f"| **X** ({{doc}}`05_credit`) | {badge} | — | 0.5 |"
     assert "| — |" in lines[3]
