@@ -372,3 +372,31 @@ def test_rendered_page_in_a_real_browser(browser, built, page):
         if entry["level"] == "SEVERE" and "favicon.ico" not in entry["message"]
     ]
     assert not severe
+
+
+LEDGER_SUMMARY = """
+const section = document.getElementById("summary-each-claim-in-one-line");
+const table = section.querySelector("table");
+const box = table.parentElement;
+const badges = Array.from(table.querySelectorAll(".badge"));
+return {
+  overflow: box.scrollWidth - box.clientWidth,
+  rows: table.querySelectorAll("tbody tr").length,
+  badges: badges.length,
+  rightmost: Math.max(...badges.map(badge => badge.getBoundingClientRect().right)),
+  width: window.innerWidth,
+};
+"""
+
+
+def test_the_ledger_summary_shows_every_verdict_without_scrolling(browser, built):
+    """At a 1400-pixel-wide window, every claim's verdict badge is on screen: the summary
+    table needs no horizontal scroll."""
+    driver, url = browser
+    project, _, _ = built
+    claims = json.loads((project.build_dir / "results" / "claims.json").read_text())["claims"]
+    driver.set_window_size(1400, 900)
+    driver.get(f"{url}/book/12_report.html")
+    summary = driver.execute_script(LEDGER_SUMMARY)
+    assert summary["rows"] == summary["badges"] == len(claims)
+    assert summary["overflow"] <= 1 and summary["rightmost"] <= summary["width"], summary

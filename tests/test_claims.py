@@ -325,7 +325,8 @@ def test_the_ledger_file_loads_every_claim_well_formed():
         # "not reproduced" needs an explicit contradiction; an exact identity has no gates
         assert claim.contradicted or claim.pending, claim.id
         assert not (claim.never_inconclusive and (claim.gates or claim.pending)), claim.id
-        assert all(name in ("regime", "learned", "comparator") for name, _ in claim.gates)
+        gates = ("regime", "learned", "comparator", "measured")
+        assert all(name in gates for name, _ in claim.gates), claim.id
         ones = {key: _One(1.0) for key in claim.keys}
         checks = [check for tier in TIERS for check in claim.checks(tier)]
         for check in checks:
@@ -344,7 +345,14 @@ def test_the_toml_forms_of_a_check():
     )
     rank = next(claim for claim in CLAIMS if claim.id == "P4_rank_two_small_models")
     assert rank.requires == {"profile": ["cpu", "gpu"]}
-    assert rank.keys == ["effective_rank_change", "effective_rank_weighted"]
+    assert rank.keys == [
+        "weighted_entropy_change_tiny_llama",
+        "predicted_weighted_entropy_change_tiny_llama",
+        "mixed_groups_tiny_llama",
+        "weighted_entropy_change_tiny_llama_low",
+        "weighted_entropy_change_tiny_llama_high",
+    ]
+    assert rank.gates[0] == ("regime", Check("mixed_groups_tiny_llama", low=1.0))
 
 
 def test_every_claim_reads_what_its_chapter_declares():

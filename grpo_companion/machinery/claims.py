@@ -132,8 +132,7 @@ def load_claims(path: Path) -> tuple[Claim, ...]:
         try:
             rules = {
                 tier: tuple(
-                    (_gate if tier == "gates" else _check)(c, tolerances)
-                    for c in row.get(tier, ())
+                    (_gate if tier == "gates" else _check)(c, tolerances) for c in row.get(tier, ())
                 )
                 for tier in TIERS
             }
@@ -249,9 +248,7 @@ def ledger(build_dir: Path, claims) -> dict:
     for claim in claims:
         results = chapter_results(build_dir, claim)
         row = {
-            key: value
-            for key, value in asdict(claim).items()
-            if key not in (*TIERS, "examples")
+            key: value for key, value in asdict(claim).items() if key not in (*TIERS, "examples")
         } | {"rules": rules(claim)}
         rows.append(
             row
