@@ -196,11 +196,21 @@ def test_a_claim_that_cannot_be_judged_names_claim_chapter_and_key(tmp_path, bro
     if broken == "failed":
         (build / "failed").mkdir()
         (build / "failed" / "07_rank.ipynb").write_text("{}")
+    # the claim's setup is the run's: a claim of another setup reads no key (below)
+    claim = replace(RANK_CLAIM, requires={"profile": "cpu", "model_name": "tiny-llama"})
     with pytest.raises(ClaimError) as error:
-        ledger(build, [RANK_CLAIM])
+        ledger(build, [claim])
     text = str(error.value)
     assert text.startswith(message) and "\n" not in text
     assert "'effective_ranks'" in text or "'model_name'" in text  # the key is named
+
+
+def test_a_claim_of_another_setup_reads_no_key_of_the_run(tmp_path):
+    """The tiny Llama's run records no Nemotron key; the Nemotron claim needs the setup first."""
+    values = {"model_name": "tiny-llama"}
+    build = write_build(tmp_path, {"07_rank": {**GOOD, "values": values}})
+    (row,) = ledger(build, [RANK_CLAIM])["claims"]
+    assert row["verdict"] == NEEDS_SETUP
 
 
 def test_claims_json_schema(tmp_path):

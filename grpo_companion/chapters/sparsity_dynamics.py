@@ -311,8 +311,8 @@ def split_summary(probes: dict, group_size: int, prefix: str) -> dict:
 
     probes: seed -> `probed_run` probes (with "outcomes"). Records
     "<prefix>_split_{low,high}_change{,_low,_high}" and
-    "<prefix>_split_{low,high}_pass_rate_change{,_low,_high}" (only when every seed has prompts on
-    that side), "<prefix>_split_{low,high}_prompts" (mean over seeds),
+    "<prefix>_split_{low,high}_pass_rate_change{,_low,_high}" (None unless every seed has prompts
+    on that side), "<prefix>_split_{low,high}_prompts" (mean over seeds),
     "<prefix>_flow_criterion{,_low,_high}", "<prefix>_split_group_size" (the G of the estimates)
     and "<prefix>_split_df" (seeds - 1, the t interval's degrees of freedom).
     """
@@ -325,12 +325,11 @@ def split_summary(probes: dict, group_size: int, prefix: str) -> dict:
 
     def band(name, key):
         values = [run[name] for run in runs]
-        if not np.all(np.isfinite(values)):  # a side empty in some seed: nothing to record
-            return
-        interval = mean_interval(values)
+        interval = {"mean": None, "low": None, "high": None}
+        if np.all(np.isfinite(values)):  # else a side empty in some seed: nothing measured
+            interval = mean_interval(values)
         records[key] = interval["mean"]
-        if interval["low"] is not None:
-            records[f"{key}_low"], records[f"{key}_high"] = interval["low"], interval["high"]
+        records[f"{key}_low"], records[f"{key}_high"] = interval["low"], interval["high"]
 
     band("criterion", f"{prefix}_flow_criterion")
     for side in ("low", "high"):
@@ -345,9 +344,9 @@ def split_summary(probes: dict, group_size: int, prefix: str) -> dict:
 def interval_text(records: dict, key: str) -> str:
     """ "+0.012 [-0.050, +0.074]" for records[key] and its interval, or the words for what is
     missing: the chapter glues this where a side of the split may be empty."""
-    if key not in records:
+    if records.get(key) is None:
         return "not measured (a seed had no prompt on this side)"
-    if f"{key}_low" not in records:
+    if records.get(f"{key}_low") is None:
         return f"{records[key]:+.3f} (no interval from one seed)"
     return f"{records[key]:+.3f} [{records[f'{key}_low']:+.3f}, {records[f'{key}_high']:+.3f}]"
 

@@ -142,18 +142,25 @@ def load_claims(path: Path) -> tuple[Claim, ...]:
     return tuple(claims)
 
 
+def setup_mismatch(claim: Claim, results: dict) -> dict:
+    """The parts of the run's setup (`profile`, or a recorded value such as `model_name`) that
+    are not what the claim `requires`: {key: the run's value}; empty when the setup matches."""
+    values = results["values"]
+    setup = {key: results["profile"] if key == "profile" else values[key] for key in claim.requires}
+    return {
+        key: setup[key]
+        for key, wanted in claim.requires.items()
+        if setup[key] not in (wanted if isinstance(wanted, list | tuple) else [wanted])
+    }
+
+
 def judge(claim: Claim, results: dict) -> dict:
     """The verdict of `claim` on one chapter's results (the JSON of `ChapterReport.write`),
     with its reason, the measured value, the prediction and every check's value. The keys must
     be present. Raises `ClaimError` when the results both reproduce and contradict the claim (a
     defect of the rule)."""
     values = results["values"]
-    setup = {key: results["profile"] if key == "profile" else values[key] for key in claim.requires}
-    mismatched = {
-        key: setup[key]
-        for key, wanted in claim.requires.items()
-        if setup[key] not in (wanted if isinstance(wanted, list | tuple) else [wanted])
-    }
+    mismatched = setup_mismatch(claim, results)
     # Another setup's numbers say nothing about the claim, and may not exist at all (the value
     # of a model the run did not load): then nothing is measured, nothing is checked.
     checks = {
@@ -233,7 +240,12 @@ def chapter_results(build_dir: Path, claim: Claim) -> dict:
         run = f"python -m grpo_companion run {chapter}"
         raise ClaimError(f"{where} has no results ({path}) for key {key!r}; run `{run}` first")
     results = json.loads(path.read_text())
-    for missing in (key for key in claim.keys if key not in results["values"]):
+    for missing in (key for key in claim.requires if key != "profile"):
+        if missing not in results["values"]:
+            raise ClaimError(f"{where} recorded no key {missing!r} in {path}")
+    # Another setup's run need not record what the claim would read (a model it did not load).
+    needed = [] if setup_mismatch(claim, results) else claim.keys
+    for missing in (key for key in needed if key not in results["values"]):
         raise ClaimError(f"{where} recorded no key {missing!r} in {path}")
     figure = build_dir / "figures" / chapter / f"{claim.figure}.png"
     if claim.figure not in results["figures"] or not figure.exists():
