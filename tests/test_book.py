@@ -378,7 +378,7 @@ LEDGER_SUMMARY = """
 const section = document.getElementById("summary-each-claim-in-one-line");
 const table = section.querySelector("table");
 const box = table.parentElement;
-const badges = Array.from(table.querySelectorAll(".badge"));
+const badges = Array.from(table.querySelectorAll(".sd-badge"));
 return {
   overflow: box.scrollWidth - box.clientWidth,
   rows: table.querySelectorAll("tbody tr").length,

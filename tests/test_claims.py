@@ -646,6 +646,5 @@ def test_every_claim_has_a_key_equation_for_the_summary_page():
     lines = markdown_summary({"claims": [row, {**row, "prediction": ""}]}).splitlines()
     # the verdict beside the claim's name, short enough to see without scrolling
     badge = "{bdg-warning}`inconclusive: regime`"
-    assert lines[2] == f"| **X** ({{doc}}`05_credit`) | {badge} | 0.25 | 0.5 |"
-    assert lines[3] == f"| **X** ({{doc}}`05_credit`) | {badge} | — | 0.5 |"
-    assert "| — |" in lines[3]
+    assert lines[2] == f"| **X**, {{doc}}`5 <05_credit>` | {badge} | 0.25 → 0.5 |"
+    assert lines[3] == f"| **X**, {{doc}}`5 <05_credit>` | {badge} | — → 0.5 |"

@@ -317,9 +317,13 @@ BADGES = {
 }
 
 
+# The verdicts' short names, for the badges of the summary.
+SHORT = {NEEDS_SETUP: "needs hardware"}
+
+
 def verdict_badge(row: dict) -> str:
     """The verdict as a coloured badge, with the gate that stopped it (`inconclusive: regime`)."""
-    label = row["verdict"]
+    label = SHORT.get(row["verdict"], row["verdict"])
     if row["reason"].startswith("gate "):
         label += ": " + row["reason"].removeprefix("gate ").split(":")[0]
     return f"{{{BADGES[row['verdict']]}}}`{label}`"
@@ -358,16 +362,15 @@ def markdown_table(table: dict, figures_prefix: str = "../figures") -> str:
 
 def markdown_summary(table: dict) -> str:
     """One short line per claim, every verdict visible without scrolling: the claim's name and
-    chapter, its verdict as a badge, the prediction this setting makes and the measurement (a
-    MyST table; equations, rules and sources are in the full ledger)."""
-    lines = ["| claim | verdict | predicted | measured |", "|---|---|---|---|"]
+    chapter (by number), its verdict as a badge, the effect this setting predicts and the
+    measurement (a MyST table; equations, rules and sources are in the full ledger)."""
+    lines = ["| claim, chapter | verdict | predicted → measured |", "|---|---|---|"]
     for row in table["claims"]:
-        predicted = "—"
-        if row.get("prediction"):
-            predicted = _number(row.get("predicted_value"))
+        predicted = _number(row.get("predicted_value")) if row.get("prediction") else "—"
+        chapter = f"{{doc}}`{int(row['chapter'][:2])} <{row['chapter']}>`"
         lines.append(
-            f"| **{row['id']}** ({{doc}}`{row['chapter']}`) | {verdict_badge(row)} "
-            f"| {predicted} | {_number(row['measured_value'])} |"
+            f"| **{row['id']}**, {chapter} | {verdict_badge(row)} "
+            f"| {predicted} → {_number(row['measured_value'])} |"
         )
     return "\n".join(lines)
 
