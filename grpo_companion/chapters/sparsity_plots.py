@@ -222,3 +222,45 @@ def plot_remedies(histories: dict, methods, window: int, num_eval_prompts: int) 
     )
     fig.tight_layout()
     return fig
+
+
+def plot_sign_toy(regimes: dict, methods, names: dict, reference: str, other: str) -> plt.Figure:
+    """Sign-S: exact J over rollouts of each method at its tuned learning rate, mean and 95%
+    t-band over the evaluation seeds, one panel per regime; last panel: the paired final
+    difference other - reference per regime with its 95% interval, and the prediction.
+
+    regimes: name -> `sparsity_sign.toy_regime`'s output (with "records", "runs", "comparison").
+    """
+    fig, axes = plt.subplots(1, len(regimes) + 1, figsize=(5 * (len(regimes) + 1), 4.2))
+    for ax, (name, out) in zip(axes, regimes.items()):
+        runs, comparison = out["runs"], out["comparison"]
+        num_tune = len(runs["J"][0, 0]) - len(comparison["final"][reference])
+        for i, method in enumerate(methods):
+            values = runs["J"][i, comparison["best_index"][method], num_tune:]
+            band = seed_band(values)
+            label = f"{names.get(method, method)}, lr {comparison['best_lr'][method]:g}"
+            ax.plot(runs["rollouts"], band["mean"], color=f"C{i}", label=label)
+            ax.fill_between(runs["rollouts"], band["low"], band["high"], color=f"C{i}", alpha=0.2)
+        mean = out["records"][f"tabular_{name}_mean"]
+        ax.set(title=f"{name}: start mean pass rate {mean:g}", xlabel="rollouts", ylabel="exact J")
+        ax.legend(fontsize="small")
+    ax = axes[-1]
+    for x, (name, out) in enumerate(regimes.items()):
+        key = f"tabular_{name}_{other}_minus_{reference}"
+        record = out["records"]
+        ax.errorbar(
+            [x], [record[key]],
+            yerr=[[record[key] - record[f"{key}_low"]], [record[f"{key}_high"] - record[key]]],
+            fmt="o", color="C0", capsize=4, label="measured, 95% t-interval" if x == 0 else None,
+        )  # fmt: skip
+        ax.plot([x], [record[f"predicted_{key}"]], "x", color="C3", ms=9,
+                label="predicted (exact best-step model)" if x == 0 else None)  # fmt: skip
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(regimes)), list(regimes))
+    ax.set_xlim(-0.5, len(regimes) - 0.5)
+    ax.set(title=f"{names.get(other, other)} - {names.get(reference, reference)}, final J",
+           ylabel="paired difference")  # fmt: skip
+    ax.legend(fontsize="small")
+    fig.suptitle("each method at its own tuned learning rate, same draws for every method")
+    fig.tight_layout()
+    return fig
