@@ -177,7 +177,8 @@ def symbol_uses(pattern: str, pages=NOTATION_PAGES) -> dict[str, list[str]]:
 
 def test_hat_a_is_grpo_std_scaled_advantage_only():
     """A_i is the advantage of the method in play, \\hat A_i only GRPO's: an A_i defined with a
-    division by the group's std must wear the hat, and a \\hat A_i defined must divide by it."""
+    division by the group's std must wear the hat, and a \\hat A_i defined from the rewards must
+    divide by it (a number, \\hat A_i = 0.866, says nothing either way)."""
     definition = re.compile(
         r"(?:^|,|\\q?quad)\s*(\\hat\s*\{?\s*)?A_i\}?\s*=\s*(.*?)(?=,|\\q?quad|$)", re.S
     )
@@ -185,7 +186,8 @@ def test_hat_a_is_grpo_std_scaled_advantage_only():
     for page in PAGES:
         for segment in math_segments(prose(page)):
             for match in definition.finditer(segment):
-                if bool(match.group(1)) != ("std" in match.group(2)):
+                hat, value = bool(match.group(1)), match.group(2)
+                if "std" in value and not hat or hat and "r_" in value and "std" not in value:
                     clashes.add(page.name)
     assert clashes == set(HAT_PENDING)
 
@@ -232,8 +234,9 @@ def test_sigma_is_a_singular_value():
 
 
 def test_delta_is_the_token_credit():
-    """delta_t is the token credit of chapter 5; the two-sided clip's bound is rho_max."""
-    assert symbol_uses(r"\\delta(?!\s*_)") == {}
+    """delta_t is the token credit of chapter 5 (which may write it without its index); the
+    two-sided clip's bound is rho_max. Elsewhere every delta carries a subscript."""
+    assert set(symbol_uses(r"\\delta(?!\s*_)")) <= {"05_credit.md"}
 
 
 def test_k_is_the_correct_count_and_k_with_1_to_3_a_kl_estimator():
