@@ -230,3 +230,42 @@ def _error_bars(ax, x, intervals: list[dict], color: str, label: str) -> None:
     high = np.array([interval["high"] for interval in intervals], dtype=float)
     ax.errorbar(x, means, yerr=[means - low, high - means], fmt="o-", color=color, label=label,
                 capsize=3, ms=5)  # fmt: skip
+
+
+def plot_chain_rollouts(records: dict) -> plt.Figure:
+    """Rollouts to reach J >= target against k for each arm of the exact chain (section 6), at
+    the arm's best learning rate: the median over seeds and its bootstrap interval, log scale.
+    records: `credit_toy.toy_summary`'s."""
+    ks = records["toy_chain_step_counts"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = {"outcome": "tab:blue", "token": "tab:green", "process": "tab:orange"}
+    labels = {
+        "outcome": "outcome (GRPO)",
+        "token": r"oracle token credit $\delta_j$",
+        "process": "process rule",
+    }
+    for offset, arm in zip((-0.08, 0.0, 0.08), colors):
+        rows = [records[f"toy_chain_{arm}"][str(k)] for k in ks]
+        x = np.asarray(ks, dtype=float) + offset
+        median = np.array([np.nan if r["median"] is None else r["median"] for r in rows])
+        low = np.array([np.nan if r["low"] is None else r["low"] for r in rows])
+        high = np.array([np.nan if r["high"] is None else r["high"] for r in rows])
+        ax.errorbar(
+            x,
+            median,
+            yerr=[median - low, high - median],
+            marker="o",
+            capsize=3,
+            color=colors[arm],
+            label=labels[arm],
+        )
+    ax.set(
+        yscale="log",
+        xlabel="steps k",
+        ylabel="rollouts to reach the target J (median over seeds)",
+        xticks=ks,
+        title="Exact chain: each arm at its own best learning rate",
+    )
+    ax.legend()
+    fig.tight_layout()
+    return fig
