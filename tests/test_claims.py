@@ -491,6 +491,7 @@ TRAINED = {
     "R_sign_beats_dr_grpo",
     "P3_sparsity_grows_gsm8k",
     "P3_sparsity_fresh_prompts",
+    "R_sign_tuned_tabular",
 }
 
 
