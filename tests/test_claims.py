@@ -492,6 +492,7 @@ TRAINED = {
     "P3_sparsity_grows_gsm8k",
     "P3_sparsity_fresh_prompts",
     "R_sign_tuned_tabular",
+    "P6_credit_toy",
 }
 
 
