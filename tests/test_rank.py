@@ -514,9 +514,13 @@ def test_figures():
 
 
 def test_ternary_rewards():
-    assert ternary_reward("2+2=4\n#### 4", "4") == 1.0
-    assert ternary_reward("2+2=5\n#### 5", "4") == 0.5
-    assert ternary_reward("the answer is 5", "4") == 0.0
+    reference = "3 + 4 = 7\n7 * 2 = 14\n#### 14"
+    assert ternary_reward("3 + 4 = 7\n7 * 2 = 14\n#### 14", reference) == 1.0
+    assert ternary_reward("3 + 4 = 7\n7 * 3 = 21\n#### 21", reference) == 0.5  # first step right
+    assert ternary_reward("3 + 4 = 8\n8 * 2 = 16\n#### 16", reference) == 0.0
+    assert ternary_reward("the answer is 5", reference) == 0.0
+    assert ternary_reward("#### 14", "#### 14") == 1.0  # no worked lines: no middle level
+    assert ternary_reward("#### 15", "#### 14") == 0.0
     policy = SequencePolicy(vocab_size=3, length=3)
     table = near_miss_reward(policy)
     binary = sum_mod_reward(policy.all_sequences(), 3)

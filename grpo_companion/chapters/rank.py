@@ -37,11 +37,11 @@ method. Summaries and the verdict are in `rank_verdict`, the figures in `rank_pl
 
 The factorial (chapter 7, section 6) asks which of two things makes the 2: the zero-sum
 advantages or the number of reward levels. It crosses the reward (binary; ternary: 1 right,
-1/2 a well-formed wrong answer, 0) with the advantage (grpo, zero-sum; sign, A = 2r - 1, not
-zero-sum) and measures S, diag(A) S and the level sums L = C S, row j of C the advantages of
-the completions at the j-th reward level (`level_mixing`), by three rank measures. Each cell
-is a reweighting of the same Gram matrix K = S S^T: diag(A) K diag(A) and C K C^T. The null
-model replaces K by the identity (orthogonal score rows of equal norm).
+1/2 a wrong answer with a right first step, 0) with the advantage (grpo, zero-sum; sign,
+A = 2r - 1, not zero-sum) and measures S, diag(A) S and the level sums L = C S, row j of C
+the advantages of the completions at the j-th reward level (`level_mixing`), by three rank
+measures. Each cell is a reweighting of the same Gram matrix K = S S^T: diag(A) K diag(A) and
+C K C^T. The null model replaces K by the identity (orthogonal score rows of equal norm).
 """
 
 import numpy as np
@@ -68,6 +68,7 @@ from grpo_companion.lm.gradients import (
 )
 from grpo_companion.lm.models import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts, sequence_log_probs
+from grpo_companion.lm.steps import step_rewards
 
 GROUP_CANDIDATES = ("scores", "weighted", "level_sums")
 FACTORIAL_REWARDS = ("binary", "ternary")
@@ -351,19 +352,22 @@ def sequence_policy_ranks(
 def near_miss_reward(policy: SequencePolicy) -> Tensor:
     """The sequence policy's ternary reward, `(num_sequences,)` float64: 1 when the last token
     is the sum of the others mod V (`sum_mod_reward`), 1/2 when it is that sum plus one (a
-    near miss, the analogue of a well-formed wrong answer), 0 otherwise."""
+    near miss, the analogue of a wrong answer with a right first step), 0 otherwise."""
     sequences = policy.all_sequences()
     answer = sequences[:, :-1].sum(dim=1) % policy.vocab_size
     near = sequences[:, -1] == (answer + 1) % policy.vocab_size
     return sum_mod_reward(sequences, policy.vocab_size) + 0.5 * near.double()
 
 
-def ternary_reward(completion: str, gold: str, mode: str = "strict") -> float:
-    """1 for a right answer (`gsm8k.reward` in `mode`), 1/2 for a wrong one that is well formed
-    (it has a strict "#### N" line), 0 otherwise."""
-    if gsm8k.reward(completion, gold, mode=mode) == 1:
+def ternary_reward(completion: str, answer_field: str, mode: str = "strict") -> float:
+    """1 for a right answer (`gsm8k.reward` in `mode`), 1/2 for a wrong one whose first worked
+    line is the reference's (`steps.step_rewards`: partial progress), 0 otherwise.
+    `answer_field`: the problem's GSM8K-schema answer, worked lines then "#### N"; one without
+    worked lines (the real GSM8K's prose) gives no middle level."""
+    rewards, _ = step_rewards(completion, answer_field, mode)
+    if rewards[-1] == 1:
         return 1.0
-    return 0.5 if gsm8k.extract_answer(completion, "strict") is not None else 0.0
+    return 0.5 if len(rewards) > 1 and rewards[0] == 1 else 0.0
 
 
 def factorial_advantages(rewards: Tensor, advantage: str) -> Tensor:
@@ -597,7 +601,10 @@ def measure(
             for row in group_gradient_ranks(gram, values, group_sizes, method)
         ]
     ternary = torch.tensor(
-        [ternary_reward(t, g, spec["reward_mode"]) for t, g in zip(rollouts.texts, answers)],
+        [
+            ternary_reward(t, a, spec["reward_mode"])
+            for t, a in zip(rollouts.texts, np.repeat(problems["answer"], num_samples))
+        ],
         dtype=torch.float64,
     ).view(-1, num_samples)
     factorial = factorial_frame(
