@@ -10,8 +10,6 @@ from grpo_companion.chapters.advantage_zoo import (
     FILTER,
     advantage_zoo,
     best_of,
-    best_step_errors,
-    errors_against_score_noise,
     growth_summary,
     grpo_limit_deviation,
     grpo_scaled_weights,
@@ -24,7 +22,13 @@ from grpo_companion.chapters.advantage_zoo import (
     zoo_table,
     zoo_weights,
 )
-from grpo_companion.core.exact import best_step_error, beta_quadrature, estimator_moments
+from grpo_companion.core.exact import (
+    best_step_error,
+    best_step_errors,
+    beta_quadrature,
+    errors_against_score_noise,
+    estimator_moments,
+)
 
 matplotlib.use("Agg")
 ZOO = advantage_zoo([0.5, 2.0])

@@ -49,7 +49,11 @@ import numpy as np
 import torch
 from scipy.stats import binom
 
-from grpo_companion.core.exact import best_step_error, estimator_moments, grad_pass_at_g
+from grpo_companion.core.exact import (
+    best_step_error,
+    estimator_moments,
+    grad_pass_at_g,
+)
 from grpo_companion.core.losses import length_weights
 
 # Dropped degenerate groups, counted per drawn group (a dropped group is a zero update).
@@ -212,22 +216,6 @@ def zoo_table(pass_rates, weights, zoo, group_sizes, score_noise):
                 }
             )
     return pd.DataFrame(rows)
-
-
-def best_step_errors(pass_rates, weights, group_size, zoo, score_noise) -> dict[str, float]:
-    """`best_step_error`'s relative error of every method at one G and score noise v."""
-    return {
-        label: best_step_error(
-            pass_rates, weights, group_size, method, score_noise=score_noise, **kwargs
-        )["relative_error"]
-        for label, (method, kwargs) in zoo.items()
-    }
-
-
-def errors_against_score_noise(pass_rates, weights, group_size, zoo, noises):
-    """`best_step_errors` at each score noise v in `noises`: label -> `(len(noises),)`."""
-    by_noise = [best_step_errors(pass_rates, weights, group_size, zoo, v) for v in noises]
-    return {label: np.array([errors[label] for errors in by_noise]) for label in zoo}
 
 
 def score_noise_summary(table, errors: dict, group_size: int) -> dict[str, float]:

@@ -4,7 +4,7 @@ Exact (`error_grid`). Chapter 9's `best_step_error` gives the error left after o
 method at its best step size, over prompts p ~ Beta(m kappa, (1 - m) kappa) and score noise v
 (the spread of a completion's score that does not predict its reward). Sign's expected update
 2 p (1 - p) and Dr. GRPO's (1 - 1/G) p (1 - p) are parallel, so once each has its own step size
-only their variances differ. `error_grid` reuses `advantage_zoo.errors_against_score_noise`.
+only their variances differ. `error_grid` reuses `exact.errors_against_score_noise` (chapter 9's).
 
 Stochastic (`train_linear_logit`). P prompts share d parameters: prompt j's pass rate is
 
@@ -31,10 +31,14 @@ import numpy as np
 import pandas as pd
 from scipy.special import expit, logit
 
-from grpo_companion.chapters.advantage_zoo import errors_against_score_noise
 from grpo_companion.chapters.sparsity import beta_concentration_for
 from grpo_companion.chapters.sparsity_flow import beta_prompts
-from grpo_companion.core.exact import beta_quadrature, binary_group_advantages, estimator_moments
+from grpo_companion.core.exact import (
+    beta_quadrature,
+    binary_group_advantages,
+    errors_against_score_noise,
+    estimator_moments,
+)
 from grpo_companion.core.stats import mean_interval
 
 ZOO = {"Dr. GRPO": ("dr_grpo", {}), "GRPO": ("grpo", {}), "Sign": ("sign", {})}

@@ -416,3 +416,19 @@ def check_pass_rates(pass_rates):
     if outside.size:
         raise ValueError(f"pass_rates must lie in [0, 1], got {outside[:5]}")
     return p
+
+
+def best_step_errors(pass_rates, weights, group_size, zoo, score_noise) -> dict[str, float]:
+    """`best_step_error`'s relative error of every method at one G and score noise v."""
+    return {
+        label: best_step_error(
+            pass_rates, weights, group_size, method, score_noise=score_noise, **kwargs
+        )["relative_error"]
+        for label, (method, kwargs) in zoo.items()
+    }
+
+
+def errors_against_score_noise(pass_rates, weights, group_size, zoo, noises):
+    """`best_step_errors` at each score noise v in `noises`: label -> `(len(noises),)`."""
+    by_noise = [best_step_errors(pass_rates, weights, group_size, zoo, v) for v in noises]
+    return {label: np.array([errors[label] for errors in by_noise]) for label in zoo}
