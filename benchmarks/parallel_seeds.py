@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     parallel_seconds = time.perf_counter() - start
 
     gap = max(
-        abs(parallel[s][-1]["train_reward"] - sequential[s][-1]["train_reward"]) for s in seeds
+        abs(parallel[s][-1]["reward"] - sequential[s][-1]["reward"]) for s in seeds
     )
     speedup = sequential_seconds / parallel_seconds
     print(f"sequential on {cores} threads: {sequential_seconds:.1f} s "
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     print(f"{cores} one-thread workers:     {parallel_seconds:.1f} s "
           f"({60 * args.seeds / parallel_seconds:.2f} seeds/min)")  # fmt: skip
     print(f"speed-up {speedup:.2f}x (target >= 1.8): {'PASS' if speedup >= 1.8 else 'FAIL'}")
-    print(f"largest difference of a seed's last training reward: {gap:.3g}")
+    print(f"largest difference of a seed's last step reward: {gap:.3g}")
     return 0
 
 
