@@ -62,9 +62,7 @@ def main(argv=None) -> int:
     parallel = map_runs(run, seeds, workers=cores)
     parallel_seconds = time.perf_counter() - start
 
-    gap = max(
-        abs(parallel[s][-1]["reward"] - sequential[s][-1]["reward"]) for s in seeds
-    )
+    gap = max(abs(parallel[s][-1]["reward"] - sequential[s][-1]["reward"]) for s in seeds)
     speedup = sequential_seconds / parallel_seconds
     print(f"sequential on {cores} threads: {sequential_seconds:.1f} s "
           f"({60 * args.seeds / sequential_seconds:.2f} seeds/min)")  # fmt: skip
