@@ -267,3 +267,15 @@ def test_the_paper_is_the_one_paper():
         if line.startswith("|") and "paper" in line
     ]
     assert [row.split("|")[1].strip() for row in rows] == ["$G$"]
+
+
+def test_no_page_holds_a_control_character():
+    """A tab or other control character in a page's source is an escape gone wrong: "\\text"
+    written through a string that reads "\\t" as a tab shows as "ext" in the rendered math."""
+    for page in PAGES:
+        bad = [
+            (number, line)
+            for number, line in enumerate(page.read_text().splitlines(), 1)
+            if any(ord(c) < 32 for c in line)
+        ]
+        assert bad == [], (page.name, bad)
