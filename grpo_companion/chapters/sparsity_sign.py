@@ -282,7 +282,7 @@ def toy_regime(
             difference["high"],
             predicted,
             supports="lies above 0: Sign's gain exceeds Dr. GRPO's",
-            contradicts="excludes the predicted difference from above",
+            contradicts="lies short of the predicted difference",
         ),  # fmt: skip
     }
     return {"records": records, "runs": runs, "comparison": comparison}
