@@ -156,9 +156,9 @@ def test_beta_and_epsilon_keep_their_meaning(chapter):
     assert not re.search(r"Beta\(a, ?b\)", plain(text))
 
 
-# Clashes the notation page rules out (issue 34). Chapters 6 and 11 are being rewritten by other
-# hands; the clashes they still carry are listed here, so that the test names them and fails
-# once they are gone (delete the entry then) or when a new page adds one.
+# Clashes the notation page rules out. Chapters 6 and 11 still carry some; the clashes they
+# still carry are listed here, so that the test names them and fails once they are gone (delete
+# the entry then) or when a new page adds one.
 SIGMA_PENDING = {"06_sparsity.md": "the sigmoid", "11_gsm8k.md": "a noise variance"}
 HAT_PENDING = {"05_credit.md": "A_i defined as GRPO's std-scaled advantage"}
 STATE_PENDING = {"05_credit.md": "V(s_1): a state with a number for its token, as s_1 the score"}

@@ -198,3 +198,23 @@ def test_sample_sparsity_hand_built():
     )
     assert none_finished["small_pass_rate_finished"] == 0.0
     assert math.isclose(none_finished["small_groups_all_truncated"], 1.0)
+
+
+def test_remedy_runs_train_every_method_on_every_seed_from_a_fresh_copy(random_tiny):
+    import copy
+
+    from grpo_companion.chapters.sparsity_lm import remedy_runs
+    from grpo_companion.lm.gsm8k import load_gsm8k
+
+    model, tokenizer = random_tiny
+    grpo = {"num_generations": 2, "per_step_prompts": 2, "max_completion_length": 4,
+            "max_steps": 1, "eval_every": 1}  # fmt: skip
+    methods = {"grpo": {"method": "grpo"}, "sign": {"method": "sign"}}
+    histories = remedy_runs(
+        lambda: copy.deepcopy(model), tokenizer,
+        load_gsm8k("train", source="arithmetic", num_examples=4, seed=0),
+        load_gsm8k("test", source="arithmetic", num_examples=2, seed=0),
+        grpo, methods, [0, 1], initial_accuracy=0.0, workers=1,
+    )  # fmt: skip
+    assert list(histories) == [("grpo", 0), ("grpo", 1), ("sign", 0), ("sign", 1)]
+    assert all(history[0]["eval_accuracy"] == 0.0 for history in histories.values())

@@ -27,7 +27,9 @@ from grpo_companion.core.advantages import (
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.core.stats import interval_words, metric_by_step, seed_band
+from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import Rollouts, sequence_log_probs
+from grpo_companion.lm.trainer import GRPOConfig, train
 
 
 def per_group_gradients(
@@ -142,6 +144,21 @@ def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[di
 
 
 # --- section 4: training runs over seeds ------------------------------------------------
+
+
+def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, methods: dict, seeds, *,
+                initial_accuracy: float, workers: int | None = None) -> dict:  # fmt: skip
+    """(method, seed) -> `trainer.train` history of every method (name -> GRPOConfig overrides)
+    on every seed, each from a fresh `load_model()` copy, in one-thread workers
+    (`lm.parallel.map_runs`: the same histories as one run after another)."""
+
+    def run(key):
+        name, seed = key
+        config = GRPOConfig(**grpo, seed=seed, **methods[name])
+        return train(load_model(), tokenizer, train_data, eval_data, config, progress=False,
+                     initial_accuracy=initial_accuracy)  # fmt: skip
+
+    return map_runs(run, [(name, seed) for name in methods for seed in seeds], workers=workers)
 
 
 def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
