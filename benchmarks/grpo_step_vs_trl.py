@@ -3,7 +3,7 @@
 Target (issue "GSM8K testbed"): our step is no slower than TRL's: median CPU seconds of a
 step, ours / TRL <= 1 (CPU time: see Timing).
 
-Both sides train their own copy of the tiny Llama (`models.load_tiny_llama(TinyLlamaSpec())`,
+Both sides train their own copy of the tiny Llama (`tiny_llama.load_tiny_llama(TinyLlamaSpec())`,
 read from `_build/cache/models/`) on the generated arithmetic problems
 (`gsm8k.load_gsm8k("train", source="arithmetic")`) with the binary reward `gsm8k.reward`, and
 the settings of chapter 9: 16 prompts x num_generations = 8 = 128 completions a step,
@@ -23,7 +23,7 @@ What one step does on each side:
         one forward and backward pass over the 128 completions (micro_batch_size 128) with
         the entropy read off the same logits; gradient clipping; one AdamW step. Both
         teacher-forced passes run each prompt once for its 8 completions
-        (`rollouts.completion_logits`), where TRL runs it 8 times.
+        (`scoring.completion_logits`), where TRL runs it 8 times.
   TRL   one step of `GRPOTrainer.train()` (per_device_train_batch_size 128 = 16 x 8,
         gradient_accumulation_steps 1): the dataloader's batch; prompts tokenized,
         `model.generate` (KV cache, all 128 in one call), decoding and rewards; group
@@ -76,7 +76,8 @@ from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
-from grpo_companion.lm.models import TinyLlamaSpec, build_prompts, load_tiny_llama
+from grpo_companion.lm.gsm8k import build_prompts
+from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
 from grpo_companion.lm.trainer import GRPOConfig, grpo_step, reference_and_optimizer
 from grpo_companion.lm.trl_engine import trl_config
 

@@ -4,7 +4,7 @@ core's threads (how the chapters ran them before).
 
 Target (issue "testbed at the arithmetic floor"): the workers' seeds per minute at least 1.8x
 the sequential run's, with both cores busy. Each seed is a short GRPO run of the tiny Llama
-(`models.load_tiny_llama(TinyLlamaSpec())`, read from `_build/cache/models/`; `--smoke-model`
+(`tiny_llama.load_tiny_llama(TinyLlamaSpec())`, read from `_build/cache/models/`; `--smoke-model`
 uses the smoke profile's quicker one) with the settings of chapter 6's remedies: 16 prompts x
 G = 4, 48 new tokens, `--steps` steps. The two sides train the same seeds and must end with
 the same histories up to the thread count's rounding (printed: the largest difference of the
@@ -21,8 +21,8 @@ import time
 import torch
 
 from grpo_companion.lm.gsm8k import load_gsm8k
-from grpo_companion.lm.models import TinyLlamaSpec, load_tiny_llama
 from grpo_companion.lm.parallel import default_workers, map_runs
+from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
 from grpo_companion.lm.trainer import GRPOConfig, train
 
 SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "train_steps": 50}

@@ -5,7 +5,7 @@ our extra time goes. (The issue sets no target for this ratio.)
 
 The batch is chapter 9's: 16 arithmetic problems (`gsm8k.load_gsm8k("train",
 source="arithmetic")`) x num_generations = 8 = 128 completions of at most 48 tokens at
-temperature 1 from the tiny Llama (`models.load_tiny_llama(TinyLlamaSpec())`, read from
+temperature 1 from the tiny Llama (`tiny_llama.load_tiny_llama(TinyLlamaSpec())`, read from
 `_build/cache/models/`), all 128 in one `generate` call (batch_size 128).
 
   generate      the baseline: the left-padded prompts, `model.generate(do_sample=True,
@@ -41,7 +41,8 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k, rollouts
-from grpo_companion.lm.models import TinyLlamaSpec, build_prompts, load_tiny_llama
+from grpo_companion.lm.gsm8k import build_prompts
+from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
 
 NUM_PROMPTS, NUM_GENERATIONS, MAX_COMPLETION_LENGTH, TEMPERATURE, SEED = 16, 8, 48, 1.0, 0
 # The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.

@@ -53,8 +53,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from grpo_companion.core.spectra import gram_singular_values
-from grpo_companion.lm.gradients import causal_attention_mask, score_grams, score_rows
-from grpo_companion.lm.rollouts import sequence_log_probs
+from grpo_companion.lm.gradients import causal_attention_mask, score_rows
+from grpo_companion.lm.scoring import sequence_log_probs
+from grpo_companion.lm.streaming_gram import score_grams
 
 MEMORY_TARGET = 0.1  # streaming / materialised peak memory
 PATHS = ("step", "streaming", "materialised")

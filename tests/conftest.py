@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_companion.lm.models import TinyLlamaSpec, warm_start
+from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
+from grpo_companion.lm.tiny_llama import TinyLlamaSpec, warm_start
 from grpo_companion.machinery.pipeline import Project, build_html, execute_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,20 @@ def random_tiny(one_thread):
     return model, tokenizer
 
 
+def sum_mod_setup(vocab_size: int, length: int, seed: int, scale: float = 1.5):
+    """(policy, logits, rewards): chapter 1's enumerable sequence policy at `init_logits(seed,
+    scale)` with its sum-mod reward, the set-up most exact tests start from."""
+    policy = SequencePolicy(vocab_size=vocab_size, length=length)
+    logits = policy.init_logits(seed, scale=scale)
+    return policy, logits, sum_mod_reward(policy.all_sequences(), vocab_size)
+
+
+@pytest.fixture
+def sum_mod_policy():
+    """`sum_mod_setup`, as a fixture: call it with (vocab_size, length, seed[, scale])."""
+    return sum_mod_setup
+
+
 def _git_status() -> str:
     return subprocess.run(
         ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
@@ -51,8 +66,8 @@ def _git_status() -> str:
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """(project, seconds per chapter, git status before) after executing every chapter under
-    the smoke profile and rendering the book: once per session, for tests/test_book.py and
-    tests/test_pdf.py."""
+    the smoke profile and rendering the book: once per session, for tests/book/test_book.py and
+    tests/machinery/test_pdf.py."""
     status_before = _git_status()
     project = Project(ROOT, build_dir=tmp_path_factory.mktemp("book") / "_build")
     timings = {

@@ -493,6 +493,7 @@ TRAINED = {
     "P3_sparsity_fresh_prompts",
     "R_sign_tuned_tabular",
     "P6_credit_toy",
+    "R_lora_rank_two_matches_full",
 }
 
 

@@ -1,34 +1,27 @@
-"""The package's layers, read from the source: imports only point down, and a chapter's modules
-never import another chapter's modules or a private name of another module."""
+"""The package's layers, read from the source: imports only point down, each chapter's code is
+one folder named after its page, and a chapter never imports another chapter's modules or a
+private name of another module."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "grpo_companion"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "grpo_companion"
 # Each layer may import the layers after it in this order, and itself.
 ORDER = ("machinery", "chapters", "lm", "core")
 # machinery renders what chapters record but never calls chapter code.
 FORBIDDEN = {"machinery": {"chapters"}}
-# The main module of each chapter; `<main>_*.py` belong to the same chapter.
-CHAPTER_MODULES = (
-    "reinforce",
-    "group_baseline",
-    "grpo_loss",
-    "testbed",
-    "credit",
-    "sparsity",
-    "rank",
-    "baselines",
-    "advantage_zoo",
-    "group_size",
-    "gsm8k_run",
-)
 
 
-def modules():
-    return sorted(path for path in PACKAGE.glob("*/*.py") if path.name != "__init__.py")
+def modules() -> list[Path]:
+    paths = list(PACKAGE.glob("*/*.py")) + list(PACKAGE.glob("chapters/*/*.py"))
+    return sorted(path for path in paths if path.name != "__init__.py")
+
+
+def dotted(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
 def imported(path: Path) -> list[tuple[str, list[str]]]:
@@ -42,35 +35,41 @@ def imported(path: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-def chapter_of(module: str) -> str:
-    matches = [main for main in CHAPTER_MODULES if module == main or module.startswith(main + "_")]
-    assert matches, f"chapters/{module}.py belongs to no chapter of CHAPTER_MODULES"
-    return max(matches, key=len)
-
-
 def test_every_layer_has_modules():
-    assert {path.parent.name for path in modules()} == set(ORDER)
+    assert {dotted(path).split(".")[1] for path in modules()} == set(ORDER)
 
 
-def violations(layer: str, name: str, imports: list[tuple[str, list[str]]]) -> list[str]:
-    """What breaks the layering in module `layer/name.py` with these imports."""
+def test_each_chapter_folder_is_named_after_its_page():
+    """`book/05_credit.md` leads to `grpo_companion/chapters/credit/`: the page's name without
+    its number. Chapter code lives only in such folders."""
+    pages = {path.stem.split("_", 1)[1] for path in (ROOT / "book").glob("[0-9][0-9]_*.md")}
+    folders = {path.name for path in (PACKAGE / "chapters").iterdir() if path.is_dir()}
+    folders -= {"__pycache__"}
+    assert folders <= pages, f"chapter folders without a page: {folders - pages}"
+    assert not [p.name for p in (PACKAGE / "chapters").glob("*.py") if p.name != "__init__.py"]
+    assert all((PACKAGE / "chapters" / folder / "__init__.py").exists() for folder in folders)
+
+
+def violations(module: str, imports: list[tuple[str, list[str]]]) -> list[str]:
+    """What breaks the layering in the module of dotted name `module` with these imports."""
+    layer = module.split(".")[1]
     allowed = set(ORDER[ORDER.index(layer) :]) - FORBIDDEN.get(layer, set())
     found = []
-    for module, names in imports:
-        parts = module.split(".")
-        targets = names if len(parts) == 1 else [parts[1]]  # `from grpo_companion import core`
-        found += [f"imports {module} ({target})" for target in targets if target not in allowed]
-        if len(parts) >= 3 and parts[1:3] != [layer, name]:
-            found += [f"imports private {n} from {module}" for n in names if n.startswith("_")]
+    for target, names in imports:
+        parts = target.split(".")
+        layers = names if len(parts) == 1 else [parts[1]]  # `from grpo_companion import core`
+        found += [f"imports {target} ({name})" for name in layers if name not in allowed]
+        if target != module:
+            found += [f"imports private {n} from {target}" for n in names if n.startswith("_")]
         if layer == "chapters" and len(parts) >= 3 and parts[1] == "chapters":
-            if chapter_of(parts[2]) != chapter_of(name):
-                found.append(f"imports another chapter's module {module}")
+            if parts[2] != module.split(".")[2]:
+                found.append(f"imports another chapter's module {target}")
     return found
 
 
-@pytest.mark.parametrize("path", modules(), ids=lambda path: f"{path.parent.name}/{path.name}")
+@pytest.mark.parametrize("path", modules(), ids=lambda path: dotted(path).split(".", 1)[1])
 def test_imports_point_down(path):
-    assert violations(path.parent.name, path.stem, imported(path)) == []
+    assert violations(dotted(path), imported(path)) == []
 
 
 def test_the_rules_catch_a_bad_import(tmp_path):
@@ -78,15 +77,15 @@ def test_the_rules_catch_a_bad_import(tmp_path):
     bad.write_text("from grpo_companion.chapters.rank import measure\n")
     imports = imported(bad)
     assert imports == [("grpo_companion.chapters.rank", ["measure"])]
-    assert violations("chapters", "credit_plots", imports) == [
+    assert violations("grpo_companion.chapters.credit.plots", imports) == [
         "imports another chapter's module grpo_companion.chapters.rank"
     ]
-    assert violations("chapters", "rank_plots", imports) == []
-    assert violations("lm", "trainer", imports) == [
+    assert violations("grpo_companion.chapters.rank.plots", imports) == []
+    assert violations("grpo_companion.lm.trainer", imports) == [
         "imports grpo_companion.chapters.rank (chapters)"
     ]
-    assert violations("machinery", "claims", imports) != []
+    assert violations("grpo_companion.machinery.claims", imports) != []
     private = [("grpo_companion.core.exact", ["_private"])]
-    assert violations("chapters", "rank", private) == [
+    assert violations("grpo_companion.chapters.rank.measure", private) == [
         "imports private _private from grpo_companion.core.exact"
     ]

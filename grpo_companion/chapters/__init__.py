@@ -1,5 +1,5 @@
-"""One module per chapter: what the chapter computes, as functions with tests.
+"""The book's chapters: one folder per page, `book/05_credit.md` -> `chapters/credit/`.
 
-A chapter module imports `grpo_companion.core` and `grpo_companion.lm`, never another
-chapter's module.
+A chapter's modules import `grpo_companion.core` and `grpo_companion.lm`, and modules of their
+own folder, never another chapter's.
 """

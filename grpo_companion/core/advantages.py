@@ -36,9 +36,11 @@ grpo_passk: ``compute_grpo_passk_outcome_advantage``; Tang et al., *Optimizing L
     (without the std). Ties at the top give 0 to everyone.
 reinforce_plus_plus_baseline: ``compute_reinforce_plus_plus_baseline_outcome_advantage``; Hu,
     *REINFORCE++* (arXiv 2501.03262, 2025). verl whitens over the batch's *tokens*
-    (``masked_whiten``: mean and Bessel-corrected variance, then (x - mean) / sqrt(var + 1e-8));
-    with one reward per completion this is the same as whitening the (B, G) rewards when all
-    completions have the same length, which is what this function does.
+    (``masked_whiten``: mean and Bessel-corrected variance, then (x - mean) / sqrt(var + 1e-8)),
+    so completion i weighs L_i and Bessel's count is the number of tokens. This function whitens
+    the (B, G) rewards, each completion once, as they carry no lengths; with N completions all of
+    length L verl's is this times sqrt((N L - 1) / (L (N - 1)))
+    (tests/core/test_verl_equivalence.py).
 gpg: ``compute_gpg_outcome_advantage``; Chu et al., *GPG: A Simple and Strong Reinforcement
     Learning Baseline for Model Reasoning* (arXiv 2504.02546, 2025). verl's alpha is
     B G / count_nonzero(rewards) over the batch (for binary rewards: over the number of correct
@@ -49,8 +51,9 @@ Both "reinforce_plus_plus_baseline" and "gpg" couple the groups of a batch (`BAT
 Sibling functions cover the estimators that need more than the (B, G) rewards:
 `process_advantages` (step rewards: process supervision), `opo_advantages` (lengths),
 `remax_advantages` (the greedy completion's reward), `reinforce_plus_plus_advantages`
-(token-level rewards), `optimal_token_baseline_advantages` (token probabilities), and
-`kl_in_reward` (verl's ``use_kl_in_reward``).
+(token-level rewards), `optimal_token_baseline_advantages` (token probabilities) and
+`gdpo_advantages` (one reward per reward function). The KL in the reward (verl's
+``use_kl_in_reward``) is `grpo_companion.core.kl.kl_in_reward`.
 """
 
 import torch
@@ -108,7 +111,7 @@ def group_advantages(
     Returns:
         advantages: (num_groups, group_size), same dtype as ``rewards``.
     """
-    _check_rewards(rewards)
+    check_rewards(rewards)
     if isinstance(scale_rewards, bool):
         scale_rewards = SCALE_REWARDS_ALIASES[scale_rewards]
     if method not in METHODS:
@@ -247,7 +250,8 @@ def _sign_advantages(rewards: Tensor, threshold: float | None) -> Tensor:
     return 2 * rewards - 1
 
 
-def _check_rewards(rewards: Tensor) -> None:
+def check_rewards(rewards: Tensor) -> None:
+    """Raise unless ``rewards`` is a finite floating-point (num_groups, group_size) tensor."""
     if rewards.dim() != 2:
         raise ValueError(
             f"rewards must be 2-D (num_groups, group_size), got shape {tuple(rewards.shape)}"
@@ -260,7 +264,7 @@ def _check_rewards(rewards: Tensor) -> None:
 
 def empirical_pass_rates(rewards: Tensor) -> Tensor:
     """Per-prompt mean reward (num_prompts,): the pass rate estimate for binary rewards."""
-    _check_rewards(rewards)
+    check_rewards(rewards)
     return rewards.mean(dim=1)
 
 
@@ -270,7 +274,7 @@ def zero_std_groups(rewards: Tensor, atol: float = 1e-8) -> Tensor:
     TRL's definition: Bessel-corrected std and torch.isclose(std, 0) (atol = 1e-8); the mean
     of this mask is its `frac_reward_zero_std`. Needs group_size >= 2.
     """
-    _check_rewards(rewards)
+    check_rewards(rewards)
     if rewards.shape[1] < 2:
         raise ValueError(
             f"a within-group std needs group_size >= 2, got rewards of shape {tuple(rewards.shape)}"
@@ -336,7 +340,7 @@ def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
     Args: rewards, lengths: (num_groups, G), lengths > 0 (tokens per completion).
     Returns: advantages (num_groups, G).
     """
-    _check_rewards(rewards)
+    check_rewards(rewards)
     if lengths.shape != rewards.shape or not (lengths > 0).all():
         raise ValueError(
             f"lengths must be positive with shape {tuple(rewards.shape)}, got "
@@ -358,7 +362,7 @@ def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
     Args: rewards (num_groups, G); greedy_rewards (num_groups,).
     Returns: advantages (num_groups, G).
     """
-    _check_rewards(rewards)
+    check_rewards(rewards)
     if greedy_rewards.shape != rewards.shape[:1]:
         raise ValueError(
             f"greedy_rewards must have shape {tuple(rewards.shape[:1])}, got "
@@ -375,7 +379,10 @@ def reinforce_plus_plus_advantages(
     verl ``compute_reinforce_plus_plus_outcome_advantage`` (with ``masked_whiten``: mean and
     Bessel-corrected variance over the valid tokens, (x - mean) / sqrt(var + 1e-8)); Hu,
     *REINFORCE++* (arXiv 2501.03262, 2025). There is no group baseline: the batch mean of the
-    returns is a baseline shared by every prompt, and the batch std a common scale.
+    returns is a baseline shared by every prompt, and the batch std a common scale. verl 0.9.1
+    carries the return across masked tokens inside a completion (a multi-turn rollout's tool
+    output) as if they were absent; here it stops there, as at padding: the two agree when the
+    padding is at the end only.
 
     Args:
         token_rewards: (..., T), e.g. the outcome reward on each completion's last token.
@@ -416,7 +423,9 @@ def optimal_token_baseline_advantages(
     of chapter 8's b* = E[||s||^2 r] / E[||s||^2]. The group includes completion i itself.
 
     verl ``compute_optimal_token_baseline_advantage`` (no paper cited there), without its
-    rollout importance weights and ``handle_zero_tail``; a group of one gets baseline 0.
+    rollout importance weights and ``handle_zero_tail``; a group of one gets baseline 0. (Past
+    the second-longest completion of a group the longest is alone and B_t is its own return, so
+    A ~ 0 there, as the formula gives; verl's default ``handle_zero_tail`` sets B_t = 0 instead.)
 
     Args:
         token_rewards, response_mask: (num_groups, G, T).
@@ -436,22 +445,29 @@ def optimal_token_baseline_advantages(
     return (returns - baseline) * mask, returns
 
 
-def kl_in_reward(rewards: Tensor, kl: Tensor, beta: float) -> Tensor:
-    """verl's ``algorithm.use_kl_in_reward``: r_i - beta * KL_i, before any group baseline.
+def gdpo_advantages(
+    rewards: Tensor, reward_weights: Tensor | None = None, *, eps: float = 1e-4
+) -> Tensor:
+    """GDPO: each reward function normalised within the group, then summed, then over the batch.
 
-    `kl` is the completion's summed per-token estimate, verl's default k1 = sum_t log pi_old(y_t)
-    - log pi_ref(y_t) (``apply_kl_penalty`` in ``verl/trainer/ppo/ray_trainer.py``; the RLOO
-    paper, Ahmadian et al. 2024, also puts the KL in the reward). Detached, it enters through the
-    score function: E[k1 s] = grad KL(pi || pi_ref), and the group baseline then treats it like
-    the reward (RLOO keeps it unbiased, the group mean shrinks it by 1 - 1/G). In the loss
-    (TRL, GRPO) the KL is differentiated through log pi instead, and is added after the baseline:
-    see chapter 8, section 5.
-
-    Args: rewards, kl: (num_groups, G). Returns: (num_groups, G).
+    A_i = whiten_batch(sum_k w_k (r_ik - mean_group r_k) / (std_group r_k + eps)), whiten_batch(s)
+    = (s - mean s) / (std s + eps) over every completion (Bessel stds). TRL's
+    ``multi_objective_aggregation="normalize_then_sum"`` with ``reward_weights`` (its default,
+    "sum_then_normalize", is `group_advantages` of sum_k w_k r_k). verl's ``gdpo`` uses eps
+    1e-6 and whitens over the tokens (``masked_whiten``). rewards: (num_groups, G, K);
+    reward_weights: (K,), default ones. Returns (num_groups, G).
+    Chapter: :doc:`/book/variants`
     """
-    _check_rewards(rewards)
-    if kl.shape != rewards.shape:
+    if rewards.dim() != 3:
         raise ValueError(
-            f"kl must have the shape of rewards {tuple(rewards.shape)}, got {tuple(kl.shape)}"
+            f"rewards must be (num_groups, group_size, num_rewards), got {tuple(rewards.shape)}"
         )
-    return rewards - beta * kl.detach().to(rewards.dtype)
+    check_rewards(rewards.flatten(1))
+    if rewards.shape[1] < 2:
+        raise ValueError(f"GDPO needs group_size >= 2, got rewards {tuple(rewards.shape)}")
+    if reward_weights is None:
+        reward_weights = torch.ones(rewards.shape[-1], dtype=rewards.dtype)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    normalised = centred / (rewards.std(dim=1, keepdim=True) + eps)
+    summed = (normalised * reward_weights.to(rewards)).sum(dim=-1)
+    return (summed - summed.mean()) / (summed.std() + eps)

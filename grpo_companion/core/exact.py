@@ -1,109 +1,24 @@
-r"""Exact moments of group-relative gradient estimators on a Bernoulli-logit prompt.
+r"""Exact moments of a group estimator under a binary reward, as functions of the pass rate p.
 
-The model
----------
-One prompt with a binary reward and one parameter, the log-odds of success theta, so the
-pass rate is p = sigmoid(theta). The score s = d/dtheta log pi of a completion is
+One of three exact treatments of g = (1/G) sum_i A_i s_i, none a duplicate of another: here the
+reward is binary, so g depends on a group only through its number of correct completions
+k ~ Binomial(G, p) and every moment is a sum over k = 0..G, for any policy (the mean) and for
+the Bernoulli-logit prompt plus score noise (the variance).
+`core.group_estimators.group_estimator_moments` instead enumerates every group of an enumerable
+`SequencePolicy` (any reward table), and `chapters.group_size.ustatistic` gives the moments of
+the U-statistic view of chapter 10.
 
-    s(correct) = 1 - p,        s(incorrect) = -p,
+Chapter: :doc:`/book/09_advantage_zoo` (section 0: the weight w(p) and the reduction of any
+binary-reward policy to the Bernoulli-logit prompt with score noise; section 2: the error at the
+best step; section 3: Sign and pass@G; section 6: the batch-coupled methods in the limit of
+many prompts). w(p) is derived in :doc:`/book/02_group_baseline`, section 3.
 
-and the true policy gradient of the expected reward is dp/dtheta = p (1 - p).
-
-Sample a group of G i.i.d. completions; k ~ Binomial(G, p) of them are correct. Every method
-of `grpo_companion.core.advantages` gives all correct completions of a group one advantage a_c(k)
-and all incorrect ones another, a_i(k), so the estimator g = (1/G) sum_i A_i s_i depends on
-the group only through k:
-
-    g(k) = (1/G) [ k a_c(k) (1 - p) - (G - k) a_i(k) p ].
-
-Its moments are therefore finite sums with binomial weights b_k = C(G, k) p^k (1 - p)^(G - k):
-
-    E[g] = sum_k b_k g(k),          Var[g] = sum_k b_k (g(k) - E[g])^2,
-    bias = E[g] - p (1 - p),        MSE    = Var[g] + bias^2,
-    w(p) = E[g] / (p (1 - p)).
-
-The weight w is the expected step along "make correct answers likelier" in units of the true
-gradient; w = 1 is unbiased. It is not special to one parameter: completions are independent,
-so E[A_i s_i] = E[A_i E[s_i | r_i]], and for any policy E[s | correct] = grad p / p and
-E[s | incorrect] = -grad p / (1 - p); hence E[g] = w(p) grad p with the same w(p). (The
-variance does depend on the policy; here it is the Bernoulli-logit one.) At p in {0, 1} the
-target p (1 - p) is 0 and w is nan.
-
-Building a_c and a_i calls `group_advantages` once on the G + 1 canonical groups, so one
-method costs O(G^2) per group size plus O(G) per pass rate. Only per-group options are
+`estimator_moments` gives the mean, variance, bias, MSE and w(p) per pass rate;
+`degenerate_contributions` splits E[g] by the group's outcome; `average_over_pass_rates` and
+`best_step_error` average over prompts, with `beta_quadrature` for Beta-distributed pass rates;
+`batch_limit_scale` is the many-prompt limit of `BATCH_METHODS`. Only per-group options are
 supported: scale_rewards="batch" couples the groups of a batch and has no per-prompt law.
-Besides `grpo_companion.core.advantages.METHODS`, two baselines that never look at the group are
-accepted (`GROUP_FREE`): "no_baseline" (A = r, REINFORCE) and "oracle" (A = r - p, the true
-value as baseline); both are unbiased, and both allow G = 1.
-
-Score noise
------------
-A real policy's score also has components that do not predict the reward: the tokens of a
-completion that the verifier does not look at. Whatever the policy, E[s | correct] and
-E[s | incorrect] are fixed by grad p (above); what is left is the spread of s within each
-reward class, tr Cov(s | r) = v_r. Given k, the G scores are independent, so
-
-    E[g | k] = g(k) u,    tr Cov(g | k) = (k a_c(k)^2 v_1 + (G - k) a_i(k)^2 v_0) / G^2,
-
-with u = grad p / (p (1 - p)). `score_noise=(v_1, v_0)` (or one number for both) adds the
-second term to the variance, in the units of the Bernoulli-logit model (||u|| = 1). Example: n
-reward-irrelevant fair-coin tokens give v_1 = v_0 = n / 4. Any policy with a binary reward
-reduces to this model: with kappa = ||u||^2, its variance and MSE are kappa times those of
-`estimator_moments(..., score_noise=(v_1 / kappa, v_0 / kappa))`; `reward_geometry` measures
-p, kappa and the two noises on an enumerable `SequencePolicy`.
-
-Dropping degenerate groups
---------------------------
-Reinforce-Rej and DAPO's dynamic sampling drop groups with k = 0 or k = G. With
-`filter_degenerate=True` the moments are those of one *kept* group, i.e. conditioned on
-0 < k < G: b_k is renormalised by 1 - p^G - (1 - p)^G, the probability a group is kept (nan at
-p in {0, 1}, where no group is). With `per_drawn_group=True` the moments are instead those of
-one *drawn* group with a dropped group counted as a zero update: the per-sample view, at equal
-sampling cost. Its mean is (1 - degenerate_rate) times the per-kept-group mean; GRPO gives
-degenerate groups zero advantage already, so filtering leaves its per-drawn-group moments as
-they were.
-
-Sign and pass@G
----------------
-"sign" (A = 2r - 1) has a_c = 1, a_i = -1, so E[g] = 2 p (1 - p): twice the pass@1 gradient at
-every p, w = 2. It is *not* the gradient of pass@G = 1 - (1 - p)^G, which is
-
-    d/dtheta pass@G = G (1 - p)^(G - 1) p (1 - p),
-
-the pass@1 gradient reweighted towards hard prompts. The exact link is through the degenerate
-groups. For any policy, the score-function identity grad P(E) = E[1_E sum_i s_i] applied to
-"all G fail" and "all G succeed" gives
-
-    E[g 1{k = 0}] = (1/G) d/dtheta pass@G,        E[g 1{k = G}] = (1/G) d/dtheta p^G,
-
-so dropping degenerate groups leaves E[g 1{0 < k < G}] = 2 p (1 - p) - (d pass@G + d p^G) / G:
-the all-wrong groups that filtering discards carry exactly the pass@G gradient (over G).
-
-Batch-coupled methods, in the limit of many prompts per batch
--------------------------------------------------------------
-"gpg" and "reinforce_plus_plus_baseline" (`grpo_companion.core.advantages.BATCH_METHODS`) use
-statistics of the whole batch. With B -> infinity prompts whose pass rates follow a prior (option
-`batch_pass_rates=(values, weights)`), those statistics are constants, and each is Dr. GRPO times
-a constant c(G) (`batch_limit_scale`): GPG's alpha = B G / (correct completions) -> 1 / E_p[p];
-REINFORCE++-baseline's centred rewards have batch mean exactly 0 and variance
-E_p[(1 - 1/G) p (1 - p)], so c = 1 / sqrt(that + 1e-8). Both are then aligned with Dr. GRPO,
-with the same error at the best step. At a finite B the constants fluctuate with the batch.
-
-Pass@k advantages
------------------
-"grpo_passk" with scale_rewards="none" gives only k = 1 groups a signal (a_c(1) = 1), so
-E[g] = p (1 - p)^(G - 1) (1 - p) = grad pass@G / G exactly, w(p) = (1 - p)^(G - 1): the part of
-Sign's update that the all-wrong groups carry (above), from the mixed groups instead.
-
-Prompts with different pass rates
----------------------------------
-`average_over_pass_rates` takes E_p of every moment for p drawn from a discrete distribution
-(values, weights); `beta_quadrature` supplies such a rule for p ~ Beta(a, b): Gauss-Jacobi
-nodes, exact for polynomials in p of degree < 2 * num_nodes. Unfiltered moments (and w) are
-polynomials of degree <= 2G + 2, so the default 128 nodes are exact, up to rounding of ~1e-9,
-for G <= 126. Filtered moments are smooth rational functions, except the filtered w, which
-grows like 1 / (p (1 - p)) at the ends (a kept group still moves theta while the target
-vanishes): its Beta average is infinite for a <= 1 or b <= 1, so average the mean instead.
+`degenerate_rate` is the one home of f(p) = p^G + (1 - p)^G (:doc:`/book/06_sparsity`).
 """
 
 import numpy as np
@@ -159,20 +74,25 @@ def estimator_moments(
     score_noise=0.0,
     **options,
 ):
-    """Exact moments of g = (1/G) sum_i A_i s_i for each pass rate p (see module docstring).
+    """Exact moments of a group estimator under a binary reward, per pass rate p: sums over
+    k ~ Binomial(G, p), not over groups (that is `group_estimators.group_estimator_moments`).
 
-    Chapter: :doc:`/book/02_group_baseline`
+    On the Bernoulli-logit prompt g = (1/G) sum_i A_i s_i is g(k) = (k a_c(k) (1 - p) -
+    (G - k) a_i(k) p) / G, with a_c, a_i of `binary_group_advantages`.
+
+    Chapter: :doc:`/book/02_group_baseline` (section 3), :doc:`/book/09_advantage_zoo` (section 0)
 
     Args:
         pass_rates: (P,) or scalar, values in [0, 1].
         group_size: G >= 2 (G >= 1 for the `GROUP_FREE` baselines).
         method: one of `grpo_companion.core.advantages.METHODS` or `GROUP_FREE`.
-        filter_degenerate: drop groups with k = 0 or k = G (Reinforce-Rej / DAPO).
+        filter_degenerate: drop groups with k = 0 or k = G (Reinforce-Rej / DAPO): moments of
+            one kept group, the binomial weights renormalised over 0 < k < G (nan at p in {0, 1}).
         per_drawn_group: with filter_degenerate, moments per drawn group (a dropped group is a
             zero update) instead of per kept group.
         score_noise: v, or (v_correct, v_incorrect): the trace of the score's covariance within
-            each reward class, in units of ||u||^2 (module docstring). 0 is the plain
-            Bernoulli-logit model.
+            each reward class, in units of ||u||^2 (chapter 9, section 0). 0 is the plain
+            Bernoulli-logit prompt.
         options: per-group options of `group_advantages` (eps, unbiased_std, temperature, ...).
 
     Returns: dict of float64 arrays of shape (P,): mean, variance, bias, mse, weight (E[g] over
@@ -209,7 +129,7 @@ def estimator_moments(
 
 
 def reward_geometry(policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor) -> dict:
-    """What the moments of any binary-reward group estimator depend on (module docstring).
+    """What the moments of any binary-reward group estimator depend on (chapter 9, section 0).
 
     `rewards: (num_sequences,)`, binary, with 0 < p < 1. Returns floats: "pass_rate" p = J;
     "kappa" = ||u||^2 with u = grad p / (p (1 - p)); and "noise_correct", "noise_incorrect":
@@ -243,7 +163,7 @@ def degenerate_contributions(pass_rates, group_size, method="grpo", **options):
 
     Returns: dict of float64 arrays of shape (P,): "all_incorrect" = E[g 1{k = 0}],
     "all_correct" = E[g 1{k = G}] and "mixed" = E[g 1{0 < k < G}]; they sum to E[g]. For "sign",
-    all_incorrect is grad pass@G / G and all_correct is grad p^G / G (module docstring).
+    all_incorrect is grad pass@G / G and all_correct is grad p^G / G (chapter 9, section 3).
     """
     p = check_pass_rates(pass_rates)[:, None]
     estimates, _ = _conditional_moments(p, group_size, method, 0.0, **options)
@@ -293,8 +213,9 @@ def _conditional_moments(p, group_size, method, score_noise, **options):
 def batch_limit_scale(method, group_size, pass_rates, weights):
     """c(G) of a `BATCH_METHODS` method in a batch of infinitely many prompts whose pass rates are
     `pass_rates` (P,) with probabilities `weights` (P,): its advantages are c(G) times Dr. GRPO's
-    (module docstring). "gpg": 1 / E_p[p]; "reinforce_plus_plus_baseline":
-    1 / sqrt(E_p[(1 - 1/G) p (1 - p)] + 1e-8)."""
+    (chapter 9, section 6). "gpg": 1 / E_p[p] (GPG's B G / number correct);
+    "reinforce_plus_plus_baseline": 1 / sqrt(E_p[(1 - 1/G) p (1 - p)] + 1e-8), the batch std of
+    the group-centred rewards, whose batch mean is exactly 0."""
     group_size = check_group_size(group_size)
     pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     if method == "gpg":
@@ -314,7 +235,10 @@ def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kw
         kwargs: forwarded to `estimator_moments` (filter_degenerate and advantage options).
 
     Returns: dict of floats with the keys of `estimator_moments`. Each is the plain prompt
-    average; with filter_degenerate, prompts are not reweighted by their keep rate.
+    average; with filter_degenerate, prompts are not reweighted by their keep rate. With
+    `beta_quadrature` nodes, unfiltered moments (polynomials of degree <= 2G + 2) are exact; the
+    filtered weight grows like 1 / (p (1 - p)), so its Beta average is infinite for a <= 1 or
+    b <= 1: average the mean instead.
     """
     pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     moments = estimator_moments(pass_rates, group_size, method, **kwargs)
@@ -322,19 +246,16 @@ def average_over_pass_rates(pass_rates, weights, group_size, method="grpo", **kw
 
 
 def best_step_error(pass_rates, weights, group_size, method="grpo", **kwargs):
-    """How close c g comes to the true gradient at the best step size c, over many prompts.
+    """How close c g comes to the true gradient at the best step size c, over many prompts
+    (chapter 9, section 2).
 
-    Prompt j (probability weights[j]) has its own logit, so its coordinate of the true gradient
-    is t_j = p_j (1 - p_j), and one group gives g_j with mean m_j and variance v_j. Averaged over
-    prompts, E(c g - t)^2 = c^2 E[m^2 + v] - 2 c E[m t] + E[t^2], least at c* = E[m t] / E[m^2 + v].
-    A learning rate undoes any constant scale, so this compares methods of different scales.
-
-    Args: as `average_over_pass_rates`.
+    Prompt j (probability weights[j]) has its own logit, so its true-gradient coordinate is
+    t_j = p_j (1 - p_j); its group's estimate has mean m_j and variance v_j, and the best step
+    is c* = E[m t] / E[m^2 + v]. Args: as `average_over_pass_rates`.
 
     Returns: dict of floats: "relative_error" = 1 - E[m t]^2 / (E[m^2 + v] E[t^2]), the error
     left at c* in units of E[t^2] (in [0, 1]); "alignment" = E[m t] / sqrt(E[m^2] E[t^2]), the
-    cosine between E[g] and the true gradient (1 when w(p) is the same for every prompt);
-    "best_step" = c*.
+    cosine between E[g] and the true gradient; "best_step" = c*.
     """
     pass_rates, weights = check_pass_rates(pass_rates), _check_weights(weights, pass_rates)
     moments = estimator_moments(pass_rates, group_size, method, **kwargs)
@@ -377,6 +298,17 @@ def grad_pass_at_g(pass_rates, group_size):
     group_size = check_group_size(group_size)
     p = check_pass_rates(pass_rates)
     return group_size * (1 - p) ** group_size * p
+
+
+def degenerate_rate(pass_rates, group_size):
+    """f(p) = p^G + (1 - p)^G, the probability that G i.i.d. completions all agree; (P,) like
+    pass_rates.
+
+    Chapter: :doc:`/book/06_sparsity`
+    """
+    group_size = check_group_size(group_size, minimum=1)
+    p = check_pass_rates(pass_rates)
+    return p**group_size + (1 - p) ** group_size
 
 
 def degenerate_rate_slope(pass_rates, group_size):

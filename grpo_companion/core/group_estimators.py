@@ -1,32 +1,16 @@
-r"""GRPO's group estimator in exact expectation on the sequence policy (chapters 2, 8 and 10).
+"""Exact moments of a group estimator on an enumerable `SequencePolicy`, summed over every group.
 
-Group estimators
-----------------
-For one prompt GRPO samples a group of G completions y_1..y_G i.i.d. from pi (TRL:
-``num_generations``), turns their rewards into advantages A_1..A_G
-(`grpo_companion.core.advantages.group_advantages`) and, at the first step on a batch (ratio 1, no
-KL term), follows
+GRPO's estimator at the first step on a batch (ratio 1, no KL term) is
+g = (1/G) sum_i A_i s(y_i), s = grad log pi, over a group of G i.i.d. completions
+(`group_gradient`). `group_estimator_moments` gives its exact mean and variance for any reward
+table, without sampling: the methods are permutation-equivariant, so it sums over the
+C(N + G - 1, G) multisets of the N sequences (`multisets`), each with its multinomial
+probability. It is not `core.exact.estimator_moments` (binary rewards, a sum over the number of
+correct completions at a pass rate p) nor the U-statistic moments of `chapters.group_size`.
 
-    g = (1/G) sum_i A_i s(y_i),        s = grad log pi.
-
-With the mean-including-self baseline ("dr_grpo", A_i = r_i - mean(r)) the group is symmetric,
-so E[g] = E[A_1 s_1], and
-
-    E[A_1 s_1] = E[r_1 s_1] - (1/G) E[r_1 s_1] - (1/G) sum_{j > 1} E[r_j] E[s_1]
-               = (1 - 1/G) grad J,
-
-since s_1 is independent of r_j for j != 1 and E[s] = 0: only the completion's own reward in the
-mean correlates with its score. Leave-one-out ("rloo") leaves that term out: E[g] = grad J.
-
-`group_estimator_moments` checks such statements without sampling. The methods are
-permutation-equivariant, so g depends on a group only through the multiset of sequences it
-holds; a multiset with counts c (sum_y c_y = G) is drawn with the multinomial probability
-G! / prod_y c_y! * prod_y pi(y)^{c_y}. Summing over the C(N + G - 1, G) multisets of N
-sequences gives exact moments, up to float64 rounding: 6,435 terms for N = 8 and G = 8, against
-N^G = 16.8 million ordered groups.
-
-The loss around the estimator (the ratio and its clipping, the KL estimators, token aggregation)
-is chapter 3's, in `grpo_companion.chapters.grpo_loss`.
+Chapter: :doc:`/book/02_group_baseline` (section 2: the mean including the completion itself
+costs a factor 1 - 1/G, leave-one-out none); also used by chapters 8 and 10. The loss around the
+estimator is chapter 3's, `grpo_companion.chapters.grpo_loss.loss`.
 """
 
 import itertools
@@ -87,7 +71,8 @@ def group_estimator_moments(
     method: str = "dr_grpo",
     **options,
 ) -> dict[str, Tensor]:
-    """Exact mean and variance of g = (1/G) sum_i A_i s(y_i) over groups of G i.i.d. draws.
+    """Exact mean and variance of a group estimator, summed over every group of G i.i.d. draws
+    of the sequence policy: g = (1/G) sum_i A_i s(y_i), any reward table.
 
     `rewards: (num_sequences,)`; `method` and `options` go to `group_advantages`. Returns
     "mean": `(num_params,)`, E[g], and "variance": a scalar tensor, E||g - E[g]||^2 (the trace

@@ -6,8 +6,8 @@ rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t) and the per-token loss is
     l_it = -min(rho_it A_i, clip(rho_it, 1 - epsilon, 1 + epsilon_high) A_i)
            + beta * KL_it(pi || pi_ref)
 
-where A_i is the sequence's advantage (see ``advantages.py``) and KL_it is a
-per-token sample estimate of the KL divergence. Every loss also takes per-token advantages A_it,
+where A_i is the sequence's advantage (see ``advantages.py``) and KL_it is a per-token sample
+estimate of the KL divergence (see ``kl.py``). Every loss also takes per-token advantages A_it,
 shape (batch, seq_len) instead of (batch,), as process supervision gives them
 (``advantages.process_advantages``); A_i broadcast over the tokens gives the same loss and
 gradient as A_i itself. (TRL's trainer has per-sequence advantages only.) ``aggregate`` then
@@ -16,7 +16,7 @@ decides how much each token weighs:
 
     loss_type     normaliser                               verl loss_agg_mode
     grpo, sapo    1/B sum_i 1/L_i sum_t l_it               "seq-mean-token-mean"
-    dr_grpo       1/(B L_max) sum_i sum_t l_it             ("seq-mean-token-sum-norm" / B)
+    dr_grpo       1/(B L_max) sum_i sum_t l_it             "seq-mean-token-sum-norm"
     bnpo          1/(sum_i L_i) sum_it l_it, per micro-batch, averaged over the micro-batches
                                                            "token-mean" (legacy dp_actor)
     dapo, cispo,  1/(sum_i L_i) sum_it l_it over the whole "token-mean" (global token count)
@@ -30,10 +30,10 @@ is split into micro-batches (``lm/trainer.py``): TRL's "bnpo" divides each micro
 token count and averages the micro-batches, as verl's "token-mean" does on its legacy worker
 (``loss / gradient_accumulation``, without ``use_dynamic_bsz``); TRL's "dapo" divides by the
 token count of the whole batch, as verl's "token-mean" does where it is passed the global
-batch's token count. verl's
-"seq-mean-token-sum-norm" is sum_it l_it / L_max, with L_max the response width
-(``loss_mask.shape[-1]``, or verl's ``loss_scale_factor``): Dr. GRPO's normaliser without the
-number of sequences B, so it is B times our (and TRL's) "dr_grpo".
+batch's token count. verl 0.9.1's
+"seq-mean-token-sum-norm" is sum_it l_it / (B L_max), with L_max the response width
+(``loss_mask.shape[-1]``, or verl's ``loss_scale_factor``): our (and TRL's) "dr_grpo"
+(tests/core/test_verl_equivalence.py); earlier verl divided by L_max only, B times "dr_grpo".
 
 Names follow TRL's ``GRPOConfig`` (``beta``, ``epsilon``, ``epsilon_high``, ``delta``,
 ``loss_type``, ``max_completion_length``, ``importance_sampling_level``, ``sapo_temperature_*``,
@@ -46,40 +46,14 @@ import math
 import torch
 from torch import Tensor
 
+from grpo_companion.core.importance import log_importance_weights
+from grpo_companion.core.kl import bias_corrected_kl, kl_penalty
+
 LOSS_TYPES = (
     "grpo", "dr_grpo", "bnpo", "dapo", "length_alpha", "luspo", "cispo", "sapo", "vespo"
 )  # fmt: skip
 # The loss types whose policy term is the PPO clipped surrogate (the others: `policy_loss`).
 CLIPPED_LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo", "length_alpha", "luspo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-# verl's bounds on k3 ("low_var_kl"): the log-ratio, then the estimate (``core_algos.kl_penalty``).
-VERL_KL_CLAMP = (20.0, 10.0)
-
-
-def log_importance_weights(
-    log_probs: Tensor, old_log_probs: Tensor, mask: Tensor | None = None, level: str = "token"
-) -> Tensor:
-    """log rho: (batch, seq_len) per token, or (batch, 1) per sequence.
-
-    "token": log pi - log pi_old at each token (PPO, GRPO). "sequence": GSPO's length-normalised
-    sequence ratio, log rho_i = 1/L_i sum_t (log pi_it - log pi_old_it), shared by the tokens of
-    sequence i (TRL's ``importance_sampling_level="sequence"``; TRL clamps L_i at 1). pi_old is
-    a constant of the objective, so ``old_log_probs`` is detached. ``mask`` (batch, seq_len) is
-    needed for "sequence" only.
-    """
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"unknown importance_sampling_level {level!r}; expected one of "
-            f"{IMPORTANCE_SAMPLING_LEVELS}"
-        )
-    log_ratio = log_probs - old_log_probs.detach()
-    if level == "token":
-        return log_ratio
-    if mask is None:
-        raise ValueError("importance_sampling_level 'sequence' needs the mask")
-    mask = mask.to(log_ratio.dtype)
-    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
 
 def clipped_surrogate(
@@ -104,7 +78,7 @@ def clipped_surrogate(
             ``num_iterations=1``) still gives the policy gradient.
         advantages: (batch,), broadcast over the tokens of each sequence, or (batch, seq_len),
             one per token (not with importance_sampling_level "sequence", see
-            `_check_policy_inputs`).
+            `check_policy_inputs`).
         epsilon, epsilon_high: clip the ratio to [1 - epsilon, 1 + epsilon_high];
             epsilon_high defaults to epsilon (TRL), DAPO's "clip-higher" raises it.
         delta: TRL's two-sided clipping: the unclipped ratio is capped at ``delta``, so that
@@ -112,7 +86,8 @@ def clipped_surrogate(
             -delta A (TRL recommends delta > 1 + epsilon_high, which leaves A > 0 as PPO's).
             With delta > 1 + epsilon_high this is verl's dual-clip PPO with
             ``clip_ratio_c = delta`` (Ye et al. 2019; verl's default is 3 and always on).
-        mask, importance_sampling_level: see `log_importance_weights`; "sequence" is GSPO.
+        mask, importance_sampling_level: see `importance.log_importance_weights`; "sequence"
+            is GSPO.
 
     Returns:
         per_token_loss: (batch, seq_len).
@@ -125,11 +100,11 @@ def clipped_surrogate(
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon} and {epsilon_high}")
     if delta is not None and delta <= 1:
         raise ValueError(f"delta must be > 1, got {delta}")
-    _check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
+    check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
     ratio = torch.exp(
         log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
     )
-    column = _as_columns(advantages)
+    column = as_columns(advantages)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * column
     capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     per_token_loss = -torch.minimum(capped * column, clipped)
@@ -142,7 +117,7 @@ def clip_regions(
 ) -> tuple[Tensor, Tensor]:
     """TRL's clipped tokens, low (rho < 1 - epsilon, A < 0) and high (rho > 1 + epsilon_high,
     A > 0): ratio (batch, seq_len) or (batch, 1), advantages (batch,) or (batch, seq_len)."""
-    advantages = _as_columns(advantages)
+    advantages = as_columns(advantages)
     return (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
@@ -165,12 +140,13 @@ def policy_loss(
     vespo_lambda_neg: float = 2.0,
 ) -> Tensor:
     """The per-token policy term of ``loss_type``, before the KL and the aggregation:
-    (batch, seq_len). Inputs as `clipped_surrogate`; rho from `log_importance_weights`.
+    (batch, seq_len). Inputs as `clipped_surrogate`; rho from `importance.log_importance_weights`.
 
     - the PPO clipped surrogate (`CLIPPED_LOSS_TYPES`, `clipped_surrogate`);
     - "cispo" (MiniMax-M1): -sg(min(rho, epsilon_high)) A log pi, a REINFORCE term weighted by
       the ratio capped at ``epsilon_high`` itself (TRL's convention: the cap is epsilon_high,
-      not 1 + epsilon_high), so clipped tokens keep their gradient;
+      not 1 + epsilon_high), so clipped tokens keep their gradient; verl's ``cispo`` also clips
+      rho below, at 1 - clip_ratio_low, and TRL, followed here, does not;
     - "sapo" (Soft Adaptive Policy Optimization): -sigma(tau (rho - 1)) 4 / tau A, a smooth gate
       in place of the clip, tau = ``sapo_temperature_pos`` where A > 0, else ``_neg``;
     - "vespo": -sg(phi(w_i)) A log pi with w_i = exp(sum_t log rho_it) the sequence's ratio and
@@ -186,11 +162,11 @@ def policy_loss(
             delta=delta, mask=mask, importance_sampling_level=importance_sampling_level,
         )  # fmt: skip
         return per_token_loss
-    _check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
+    check_policy_inputs(log_probs, old_log_probs, advantages, importance_sampling_level)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = log_importance_weights(log_probs, old_log_probs, mask, importance_sampling_level)
     ratio = torch.exp(log_ratio)
-    column = _as_columns(advantages)  # with per-token advantages, each token's sign decides
+    column = as_columns(advantages)  # with per-token advantages, each token's sign decides
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * column * log_probs
     elif loss_type == "sapo":
@@ -224,50 +200,8 @@ def off_policy_sequence_mask(
     mask = mask.to(log_probs.dtype)
     drift = (old_log_probs - log_probs.detach()).nan_to_num(nan=0.0)
     mean_drift = (drift * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
-    keep = (_as_columns(advantages) >= 0) | (mean_drift <= threshold)
+    keep = (as_columns(advantages) >= 0) | (mean_drift <= threshold)
     return keep.to(log_probs.dtype)
-
-
-def kl_penalty(
-    log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3", *, clamp: bool = False
-) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
-
-    Chapter: :doc:`/book/03_grpo_loss`
-
-    With x = log(pi / pi_ref) at the sampled token (Schulman, "Approximating
-    KL divergence", 2020):
-
-        k1 = x                      unbiased, high variance, can be negative
-        k2 = x^2 / 2                biased, low variance, >= 0
-        k3 = exp(-x) - 1 + x        unbiased, low variance, >= 0 (TRL, GRPO paper)
-
-    k3 is unbiased because E_pi[pi_ref / pi] = 1, so it is k1 plus a zero-mean
-    control variate.
-
-    ``clamp`` (k3 only) is verl's "low_var_kl": x clamped to [-20, 20] before the exponential,
-    the estimate to [-10, 10] after (``VERL_KL_CLAMP``). It changes the value only where k3
-    would exceed 10, x < -2.61 or x > 11.0 (pi/pi_ref below 0.073 or above 6e4), and there the
-    clamped tokens get no gradient. TRL does not clamp.
-
-    log_probs, ref_log_probs: (batch, seq_len); the frozen reference is detached.
-    Returns kl: (batch, seq_len).
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
-    if clamp and estimator != "k3":
-        raise ValueError(f"clamp is verl's bound on k3 ('low_var_kl'), not on {estimator!r}")
-    _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
-    log_ratio = log_probs - ref_log_probs.detach()
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if not clamp:
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    log_bound, kl_bound = VERL_KL_CLAMP
-    log_ratio = log_ratio.clamp(-log_bound, log_bound)
-    return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-kl_bound, kl_bound)
 
 
 def length_weights(lengths: Tensor, alpha: float) -> Tensor:
@@ -295,7 +229,8 @@ def aggregate(
 
     - "grpo", "sapo": 1/B sum_i (1/L_i) sum_t l_it. TRL clamps L_i at 1; we raise on
       an empty sequence instead, as it is almost always a bug in the mask, unless
-      ``allow_empty`` (TRL's ``mask_truncated_completions`` empties the truncated ones).
+      ``allow_empty`` (TRL's ``mask_truncated_completions`` empties the truncated ones). An
+      empty row counts in B, as in TRL; verl's "seq-mean" modes leave it out of B.
     - "dr_grpo": sum_it l_it / (B * max_completion_length), with
       max_completion_length defaulting to seq_len.
     - "bnpo", "dapo", "cispo", "vespo": sum_it l_it / sum_i L_i. On one batch they agree; the
@@ -373,7 +308,8 @@ def grpo_loss(
     only; this argument is not in TRL, which has no such loss_type.
     ``use_bias_correction_kl`` multiplies the per-token KL by the (differentiable) ratio rho
     (TRL's option, True by default in TRL 1.16): the KL is estimated from tokens sampled from
-    pi_old, and rho reweights them to pi. ``kl_clamp``: verl's bounds on k3 (`kl_penalty`).
+    pi_old, and rho reweights them to pi (`bias_corrected_kl`). ``kl_clamp``: verl's bounds on
+    k3 (`kl_penalty`). Both are in `grpo_companion.core.kl`, as is every other KL quantity.
     ``off_policy_mask_threshold``: `off_policy_sequence_mask` multiplies the policy term.
     ``variant``: the keyword options of `policy_loss` (``delta``, ``importance_sampling_level``,
     ``sapo_temperature_pos``, ...).
@@ -405,7 +341,7 @@ def grpo_loss(
     if ref_log_probs is not None:
         kl = kl_penalty(log_probs, ref_log_probs, kl_estimator, clamp=kl_clamp)
         if use_bias_correction_kl:
-            kl = kl * ratio
+            kl = bias_corrected_kl(kl, log_probs, old_log_probs, mask, level)
         per_token_loss = per_token_loss + beta * kl
         kl_mean = ((kl * mask).sum() / num_tokens).item()
     loss = aggregate(
@@ -431,7 +367,7 @@ def grpo_loss(
     return loss, stats
 
 
-def _check_policy_inputs(
+def check_policy_inputs(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, level: str = "token"
 ) -> None:
     if log_probs.dim() != 2:
@@ -455,7 +391,7 @@ def _check_policy_inputs(
         )
 
 
-def _as_columns(advantages: Tensor) -> Tensor:
+def as_columns(advantages: Tensor) -> Tensor:
     """(batch, 1) from per-sequence advantages (batch,); per-token ones (batch, seq_len) as they
     are: either broadcasts against (batch, seq_len)."""
     return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages

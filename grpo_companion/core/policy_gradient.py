@@ -1,31 +1,16 @@
 """Chapter 1: the policy gradient theorem, checked on a policy small enough to enumerate.
 
-For a policy pi_theta over a finite set of outcomes y with reward r(y), the objective
+`SequencePolicy` is tabular and autoregressive: `length` tokens from a vocabulary of
+`vocab_size`, token t drawn from softmax(logits[t, y_{t-1}]) with y_0 = BOS, a reward on the
+whole sequence. Its vocab_size ** length sequences make J = sum_y pi(y) r(y) and its gradient
+exact sums, and autograd on J gives the true gradient that every estimator of the book is
+checked against; with length = 1 it is the softmax bandit. The module holds the REINFORCE
+estimator with a constant baseline, its exact variance as a function of the baseline, the
+variance-optimal baseline b* = E[||s||^2 r] / E[||s||^2], and the exact values of prefixes
+used by chapter 5.
 
-    J(theta) = sum_y pi_theta(y) r(y)
-
-has the gradient (score-function, or log-derivative, identity grad pi = pi grad log pi)
-
-    grad J = sum_y pi(y) r(y) grad log pi(y) = E_{y ~ pi}[ r(y) s(y) ],    s = grad log pi,
-
-which REINFORCE estimates with n samples as g_n = (1/n) sum_i r(y_i) s(y_i).  Because
-E[s] = grad sum_y pi(y) = grad 1 = 0, a constant baseline b leaves it unbiased:
-
-    g_b = (1/n) sum_i (r(y_i) - b) s(y_i),      E[g_b] = grad J.
-
-The variance of one sample's estimate g_b = (r - b) s (the trace of its covariance) is a
-quadratic in b,
-
-    Var[g_b] = E[(r - b)^2 ||s||^2] - ||grad J||^2,
-
-minimised by b* = E[||s||^2 r] / E[||s||^2]: the mean reward weighted by the squared score
-norm, which equals the mean reward E[r] only when ||s||^2 and r are uncorrelated.
-
-The policy is tabular and autoregressive: `length` tokens from a vocabulary of `vocab_size`,
-token t drawn from softmax(logits[t, y_{t-1}]) with y_0 = BOS, reward on the whole sequence.
-There are vocab_size ** length sequences, so J and its gradient are exact sums, and autograd
-on J gives the true gradient that every estimator is checked against.  With length = 1 it is
-the softmax bandit of section 1 of the chapter.
+Chapter: :doc:`/book/01_policy_gradient` (the score-function identity; section 3: baselines and
+b*).
 """
 
 from dataclasses import dataclass
@@ -130,12 +115,13 @@ class SequencePolicy:
 def exact_prefix_values(
     policy: SequencePolicy, logits: torch.Tensor, rewards: torch.Tensor
 ) -> torch.Tensor:
-    """V(y_<t) = E[r | y_<t] at every sequence for t = 0..length, `(num_sequences, length + 1)`.
+    """E[r | first j tokens] at every sequence for j = 0..length, `(num_sequences, length + 1)`.
 
-    `rewards: (num_sequences,)` indexed like `all_sequences()` (any per-sequence quantity gives
-    its conditional mean). Column 0 is J, the last column r itself, and V(s_{t+1}) - V(s_t) is
-    token t's advantage. Sequences are numbered lexicographically, so the prefix y_<t of a
-    sequence is its number's leading t base-`vocab_size` digits.
+    Column j is V(s_{j+1}) in chapter 5's notation (tokens numbered from 1, s_1 the empty
+    prefix): column 0 is V(s_1) = J, the last column r itself, and the differences along a row
+    are the token advantages delta_t = V(s_{t+1}) - V(s_t). `rewards: (num_sequences,)` indexed
+    like `all_sequences()` (any per-sequence quantity gives its conditional mean). Sequences are
+    numbered lexicographically, so a prefix of j tokens is the leading j base-`vocab_size` digits.
     """
     probs = policy.probs(logits).detach()
     numbers = torch.arange(policy.num_sequences)

@@ -38,7 +38,7 @@ _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval's strict-match pattern,
 # lm-eval's flexible pattern matches, in effect, whole runs of [$0-9.,] of length >= 2 or a
 # single digit, with a "-" just before the run included. Searching the *reversed* text for
 # such a run finds the last match in one linear C-level scan, without building a list of all
-# matches. tests/test_gsm8k.py checks this against lm-eval's findall()[-1] with hypothesis.
+# matches. tests/lm/test_gsm8k.py checks this against lm-eval's findall()[-1] with hypothesis.
 # Written as "a run character, then more of them or a lookbehind that it was a digit" (rather
 # than "[$0-9.,]{2,}|[0-9]") so that re skips non-candidates fast: ~5x on megabytes of prose.
 _FLEXIBLE_REVERSED = re.compile(r"[$0-9.,](?:[$0-9.,]+|(?<=[0-9]))")
@@ -382,3 +382,31 @@ def load_gsm8k(
         candidates = (next(problems) for _ in range(cap))
     problems = _take_distinct(candidates, split, n, source)
     return problems.select(range(skip, n)) if skip else problems
+
+
+# What the chat models are told; the tiny Llama's template ignores it (it only knows one format).
+SYSTEM_PROMPT = "Solve the math problem step by step. End with the final answer as '#### <number>'."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    """The prompt for `question` in the model's own format, as text.
+
+    The format is the tokenizer's chat template, so this one function serves every model
+    (training, rollouts, evaluation). The text holds the special tokens: tokenize it with
+    ``add_special_tokens=False``.
+    """
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def build_prompts(tokenizer, problems) -> tuple[list[str], list[str]]:
+    """Prompts and gold answers of a batch of problems, the one way every chapter builds them.
+
+    problems: rows with "question" and "answer" (a `datasets.Dataset` from `gsm8k.load_gsm8k`,
+    or a dict of two lists). Returns (prompts, golds), each of length len(problems): the
+    prompt is `format_prompt(tokenizer, question)`, the gold is `gsm8k.gold_answer(answer)`.
+    """
+    return (
+        [format_prompt(tokenizer, question) for question in problems["question"]],
+        [gold_answer(answer) for answer in problems["answer"]],
+    )

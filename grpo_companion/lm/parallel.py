@@ -5,7 +5,7 @@ The book's models are small: one run on two threads is slower than on one (the t
 more time agreeing than multiplying), while two one-thread processes, one per core, run two
 seeds in about the time of one. A run that is a pure function of its key (its seed, its arm)
 gives the same result in a worker as `map_runs(..., workers=1)` gives in this process on one
-thread (tests/test_parallel.py).
+thread (tests/lm/test_parallel.py).
 """
 
 import os
@@ -43,7 +43,7 @@ def map_runs(run, keys, *, workers: int | None = None, desc: str = "runs", progr
     (histories, tables, tensors). workers: processes to use (None: one per core); 1 runs every
     key in this process, on one torch thread, which is what each worker does. A run that raises
     fails the call with its key and traceback once the other runs have finished (a run that
-    checkpoints, like chapter 6's long runs, resumes from there on the next call).
+    checkpoints, like chapter 6's probed runs, resumes from there on the next call).
     """
     global _RUN
     keys = list(keys)

@@ -1,4 +1,4 @@
-r"""Rollouts: G completions per prompt, and everything GRPO learns from them.
+r"""Rollouts: G completions per prompt, and everything GRPO learns from them (chapter 4).
 
 For each of B prompts we sample G = ``num_generations`` completions of at most
 ``max_completion_length`` tokens at ``temperature`` (TRL's names) and record, per rollout,
@@ -10,30 +10,19 @@ For each of B prompts we sample G = ``num_generations`` completions of at most
     texts                        B * G decoded completions
     rewards          (B, G)      reward_fn(text, gold), one group per row
 
-where T <= max_completion_length is the longest completion of the batch. Rollouts are
-prompt-major: rollout i answers prompt i // G.
-
-How the tokens are sampled: transformers ``generate`` with the KV cache, prompts
-left-padded so that every row of a batch ends where generation begins, and every
-logits processor that would reshape the distribution switched off (a checkpoint's
-``generation_config.json``, or transformers' default ``top_k=50``, would otherwise sample
-from something other than softmax(logits / temperature)). On a GPU an already-built vLLM
-engine can sample instead (``vllm_engine=``; optional, not needed anywhere in the book).
-
-How the log-probs are computed: by a second, teacher-forced forward pass over prompt and
-completion, `sequence_log_probs`, the very function the trainer differentiates. Reading
-them off ``generate``'s scores would save that pass, but the KV-cache path rounds
-differently from the training pass (and vLLM's kernels more so), and the PPO ratio
-pi / pi_old would start away from 1 for no reason. That pass runs each prompt once for its
-group (`completion_logits` with ``num_generations``), then its G completions over a repeated
-KV cache; it is cheap next to the T sequential steps of sampling, but not free (see
-``benchmarks/rollout_throughput.py``): ``compute_log_probs=False`` skips it where pi_old's
-log-probs are not needed, as in the trainer, which takes pi_old from its own update pass
-(`trainer.grpo_step`).
-
-With ``top_p < 1`` the sampler renormalises over the nucleus; like TRL and vLLM we still
-report the log-probs of the untruncated tempered softmax, the distribution the policy
-gradient differentiates. With the default ``top_p = 1`` the two coincide.
+T <= max_completion_length is the longest completion of the batch; rollout i answers prompt
+i // G. Tokens come from transformers' ``generate`` with the KV cache, prompts left-padded, and
+every logits processor that would reshape the distribution switched off (a checkpoint's
+``generation_config.json`` or the default ``top_k=50`` would otherwise sample from something
+other than softmax(logits / temperature)); a built vLLM engine can sample instead on a GPU.
+``sampler="lean"`` samples the same tokens, bit for bit, with `sampler.lean_generate`, a decoding
+loop written for Llama models that drops finished rows (about a third less time on this CPU;
+benchmarks/floor.py); ``"generate"`` stays the default.
+The log-probs come from a teacher-forced pass, `scoring.sequence_log_probs`, the function the
+trainer differentiates, not from ``generate``'s scores, whose KV-cache path rounds differently;
+``compute_log_probs=False`` skips that pass where pi_old's log-probs are not needed. With
+``top_p < 1`` the sampler renormalises over the nucleus while, like TRL and vLLM, the log-probs
+stay those of the untruncated tempered softmax.
 """
 
 import copy
@@ -47,6 +36,8 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.sampler import lean_generate, supports
+from grpo_companion.lm.scoring import sequence_log_probs
 
 # Logits processors of `generate`, each set to its "off" value. Unset (None) fields would
 # be filled from the model's generation_config, so every one is set explicitly. The first
@@ -108,161 +99,6 @@ class Rollouts:
         return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask], dim=1)
 
 
-def sequence_log_probs(
-    model,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_mask: Tensor,
-    temperature: float = 1.0,
-    *,
-    num_generations: int = 1,
-    causal_mask: Tensor | None = None,
-    params: dict[str, Tensor] | None = None,
-    inputs_embeds: Tensor | None = None,
-) -> Tensor:
-    """Teacher-forced log-probs of the last T tokens of each row.
-
-    Args:
-        input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
-        completion_mask: (N, T), 1 on the completion tokens whose log-prob is wanted.
-        temperature: the logits are divided by it, as when sampling.
-        num_generations, causal_mask, params, inputs_embeds: see `completion_logits`.
-
-    Returns:
-        log_probs: (N, T), log softmax(logits / temperature) at the given tokens, 0 where
-            ``completion_mask`` is 0; float32, or float64 for a float64 model. Differentiable
-            when grad is enabled; ``.sum(dim=1)`` is log pi(y | x) of each row.
-            Memory peaks at N * (T + 1) * vocab float32 logits (N * T with num_generations):
-            micro-batch large vocabularies.
-    """
-    logits = completion_logits(
-        model,
-        input_ids,
-        attention_mask,
-        completion_mask.shape[1],
-        num_generations=num_generations,
-        causal_mask=causal_mask,
-        params=params,
-        inputs_embeds=inputs_embeds,
-    )
-    return token_log_probs(logits, input_ids, completion_mask, temperature)
-
-
-def token_log_probs(
-    logits: Tensor, input_ids: Tensor, completion_mask: Tensor, temperature: float = 1.0
-) -> Tensor:
-    """(N, T) log softmax(logits / temperature) at the last T tokens of `input_ids`, 0 off
-    `completion_mask`; logits: (N, T, V) from `completion_logits`."""
-    if temperature != 1:  # else skip a copy of the largest activation
-        logits = logits / temperature
-    targets = input_ids[:, -completion_mask.shape[1] :]
-    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return torch.where(completion_mask.bool(), log_probs, 0.0)
-
-
-def completion_logits(
-    model,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_length: int,
-    *,
-    num_generations: int = 1,
-    causal_mask: Tensor | None = None,
-    params: dict[str, Tensor] | None = None,
-    inputs_embeds: Tensor | None = None,
-) -> Tensor:
-    """(N, T, V) logits that predict the last T = `completion_length` tokens of each row.
-
-    Args:
-        input_ids, attention_mask: (N, P + T), left-padded prompt then completion.
-        num_generations: G > 1 says the rows come in groups of G consecutive rows with the same
-            prompt (the first P columns, ids and mask), as rollouts do: each prompt then goes
-            through the model once, into a KV cache repeated for its G completions, and the
-            gradient reaches it summed over them. The same numbers as G = 1 up to rounding
-            (float32: about 1e-6 relative; tests/test_rollouts.py), at B * (P - 1) + N * T token
-            positions instead of N * (P + T): a third less work for the trainer's update on
-            chapter 6's batches, half on chapter 11's (G = 8). A one-token prompt takes the
-            plain pass. Not with the arguments below.
-        causal_mask: (N, 1, P + T, P + T) additive mask given to the model instead of
-            ``attention_mask`` (which still sets the positions), e.g.
-            ``gradients.causal_attention_mask``: what `torch.func.vmap` and float64 models need.
-        params: replace the model's own parameters (`torch.func.functional_call`).
-        inputs_embeds: (N, P + T, hidden) replace the embedding lookup of ``input_ids`` (to
-            differentiate with respect to them).
-
-    Returns:
-        logits: (N, T, V), at least float32 (a bfloat16 model's logits are upcast; float64
-        stays float64); position t predicts completion token t. Differentiable when grad is
-        enabled.
-    """
-    # The positions `generate` gives left-padded rows: real tokens counted from 0. (RoPE sees
-    # only relative positions, so this matters to rounding alone for Llama; not in general.)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    if num_generations > 1 and input_ids.shape[1] - completion_length < 2:
-        num_generations = 1  # a one-token prompt: nothing to share before its last token
-    if num_generations > 1:
-        if causal_mask is not None or params is not None or inputs_embeds is not None:
-            raise ValueError("num_generations > 1 takes no causal_mask, params or inputs_embeds")
-        logits = _shared_prompt_logits(
-            model, input_ids, attention_mask, position_ids, completion_length, num_generations
-        )
-    else:
-        inputs = {
-            "input_ids": input_ids if inputs_embeds is None else None,
-            "attention_mask": attention_mask if causal_mask is None else causal_mask,
-            "position_ids": position_ids,
-            "logits_to_keep": completion_length + 1,  # the lm head only runs where needed
-        }
-        if inputs_embeds is not None:
-            inputs["inputs_embeds"] = inputs_embeds
-        if params:
-            logits = torch.func.functional_call(model, params, (), inputs).logits
-        else:
-            logits = model(**inputs).logits
-        # Logits at position t predict token t + 1; the last position predicts nothing here.
-        logits = logits[:, :-1]
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
-def _shared_prompt_logits(
-    model, input_ids, attention_mask, position_ids, completion_length: int, group_size: int
-) -> Tensor:
-    """`completion_logits` with each group's prompt run once (its ``num_generations``)."""
-    num_rows, width = input_ids.shape
-    prompt_length = width - completion_length
-    if num_rows % group_size:
-        raise ValueError(f"num_generations = {group_size} needs whole groups: got {num_rows} rows")
-    groups = num_rows // group_size
-    prompt = (slice(None, None, group_size), slice(None, prompt_length))
-    for tensor in (input_ids, attention_mask):
-        shape = (groups, group_size, prompt_length)
-        if not (tensor[:, :prompt_length].view(shape) == tensor[prompt].unsqueeze(1)).all():
-            raise ValueError(f"the rows of each group of {group_size} must share their prompt")
-    # The prompts but their last token once, into a cache repeated for the G rows of each group
-    # (differentiable: the gradient reaching a prompt is summed over its G completions). The
-    # last prompt token, which predicts the first completion token, goes with the completions:
-    # the lm head then runs once, on (N, T) positions, as in the plain pass. (An lm-head call of
-    # its own on B rows rounded differently in a frozen copy of SmolLM2-135M, the KL reference,
-    # which gave the KL term a gradient at pi = pi_ref.)
-    cache = DynamicCache(config=model.config)
-    before_last = (slice(None, None, group_size), slice(None, prompt_length - 1))
-    model(input_ids=input_ids[before_last], attention_mask=attention_mask[before_last],
-          position_ids=position_ids[before_last], cache=cache, use_cache=True,
-          logits_to_keep=1)  # fmt: skip
-    if cache.get_seq_length() != prompt_length - 1:
-        # e.g. gradient checkpointing in train mode: transformers then drops the cache, and
-        # the completions would run without their prompt.
-        raise RuntimeError(
-            "the model did not fill the KV cache (gradient checkpointing in train mode?): "
-            "use num_generations=1"
-        )
-    cache.batch_repeat_interleave(group_size)
-    return model(input_ids=input_ids[:, prompt_length - 1 : -1],
-                 attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, prompt_length - 1 : -1], cache=cache,
-                 use_cache=True).logits  # fmt: skip
-
-
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -279,11 +115,12 @@ def generate_rollouts(
     reward_fn: Callable[[str, str], float] = gsm8k.reward,
     vllm_engine=None,
     compute_log_probs: bool = True,
+    sampler: str = "auto",
 ) -> Rollouts:
     """Sample ``num_generations`` completions per prompt and score them.
 
     Args:
-        prompts: B formatted prompts (see ``models.format_prompt``), special tokens
+        prompts: B formatted prompts (see ``gsm8k.format_prompt``), special tokens
             included as text: they are tokenized without adding any.
         golds: B gold answers, passed to ``reward_fn(completion_text, gold)``.
         seed: seeds the sampler; the same seed and arguments give the same rollouts on
@@ -294,6 +131,9 @@ def generate_rollouts(
             ``generate``. Log-probs are recomputed with ``model`` either way.
         compute_log_probs: False skips the teacher-forced log-prob pass; ``log_probs`` is
             then None.
+        sampler: "generate" (`generate_groups`), "lean" (`sampler.lean_generate`, Llama
+            models) or "auto" (lean where `sampler.supports` the model): the same tokens under
+            the same seed.
 
     Returns:
         Rollouts with B * num_generations rows.
@@ -317,7 +157,12 @@ def generate_rollouts(
         )
         with seeded(seed, model.device):
             completion_ids = _generate(
-                model, prompt_ids, prompt_mask, config, max(1, batch_size // num_generations)
+                model,
+                prompt_ids,
+                prompt_mask,
+                config,
+                max(1, batch_size // num_generations),
+                sampler,
             )
     else:
         completion_ids = _sample_with_vllm(
@@ -375,8 +220,10 @@ def greedy_completions(
     max_completion_length: int,
     batch_size: int = 64,
     reward_fn: Callable[[str, str], float] = gsm8k.reward,
+    sampler: str = "auto",
 ) -> tuple[list[float], list[str]]:
-    """The greedy (argmax) completion of each prompt and its reward: (rewards, texts), n each."""
+    """The greedy (argmax) completion of each prompt and its reward: (rewards, texts), n each;
+    `sampler` as in `generate_rollouts`."""
     prompt_ids, prompt_mask = _tokenize_prompts(tokenizer, prompts, model.device)
     config = sampling_config(
         model,
@@ -385,7 +232,7 @@ def greedy_completions(
         num_return_sequences=1,
         max_new_tokens=max_completion_length,
     )
-    completion_ids = _generate(model, prompt_ids, prompt_mask, config, batch_size)
+    completion_ids = _generate(model, prompt_ids, prompt_mask, config, batch_size, sampler)
     completion_ids, *_ = cut_at_eos(
         completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id
     )
@@ -422,11 +269,22 @@ def sampling_config(model, tokenizer, *, do_sample: bool, **settings) -> Generat
 
 
 def _generate(
-    model, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig, prompts_per_call: int
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    config: GenerationConfig,
+    prompts_per_call: int,
+    sampler: str = "auto",
 ) -> Tensor:
-    """(B * num_return_sequences, T) completion tokens, `generate` called on chunks of prompts."""
+    """(B * num_return_sequences, T) completion tokens, the sampler called on chunks of prompts
+    (`generate_groups` or `sampler.lean_generate`, which take the same random numbers)."""
+    samplers = {"generate": generate_groups, "lean": lean_generate}
+    if sampler == "auto":
+        sampler = "lean" if supports(model, config) else "generate"
+    if sampler not in samplers:
+        raise ValueError(f"sampler must be auto or one of {sorted(samplers)}, got {sampler!r}")
     chunks = [
-        generate_groups(model, ids, mask, config)
+        samplers[sampler](model, ids, mask, config)
         for ids, mask in zip(
             prompt_ids.split(prompts_per_call), prompt_mask.split(prompts_per_call)
         )
@@ -446,7 +304,7 @@ def generate_groups(model, input_ids: Tensor, attention_mask: Tensor, config: Ge
     chapter 5, a prefix) shared by a group goes through the model K times. Here the rows but
     their last token go through it once, into a cache that is repeated K times; `generate`
     starts from it with the last token. Same positions (from the attention mask, as `generate`
-    makes them), same masks, same sampler and seed: the same tokens (tests/test_rollouts.py
+    makes them), same masks, same sampler and seed: the same tokens (tests/lm/test_rollouts.py
     compares them with `generate`'s own), at a fifth to a half less time on this machine (the
     tiny Llama at G = 4 to 8, SmolLM2-135M at 16; benchmarks/rollout_throughput.py).
     """

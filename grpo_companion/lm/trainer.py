@@ -12,7 +12,7 @@ One step of `train`, for a policy pi_theta and B = ``per_step_prompts`` prompts:
                     sampling without the resampling): their advantages are 0 anyway, but they
                     still count in the loss's normaliser;
     4. update:      ``num_iterations`` AdamW steps on the clipped surrogate + beta KL
-                    (``losses.grpo_loss``), log-probs from ``rollouts.completion_logits``
+                    (``losses.grpo_loss``), log-probs from ``scoring.completion_logits``
                     (each prompt through the model once for its group);
     5. record:      the metrics TRL logs, under TRL's names (`METRICS`), and, every
                     ``eval_every`` steps, the held-out greedy accuracy.
@@ -27,7 +27,7 @@ optimizer update), followed by ``num_iterations`` full-batch updates. So with
 forward-backward pass) is TRL's ``per_device_train_batch_size``. For every loss type but
 "bnpo" it changes memory, not the gradient: micro-batch losses are weighted by their share of
 the loss's normaliser. (And speed: micro-batches of whole groups, a multiple of
-``num_generations``, run each prompt once for its group, `rollouts.completion_logits`; the
+``num_generations``, run each prompt once for its group, `scoring.completion_logits`; the
 gradient is the same to float32 rounding.) "bnpo" is TRL's (and verl's legacy "token-mean"):
 each micro-batch's token mean, averaged over the micro-batches, so there ``micro_batch_size``
 changes the gradient whenever the micro-batches hold different numbers of tokens.
@@ -44,6 +44,17 @@ The one default that differs from TRL 1.16: ``use_bias_correction_kl`` is False 
 TRL. It changes the gradient only when beta > 0 (chapter 11 by default) and then only off-policy
 or once the policy has left the reference; the book keeps False so that its recorded runs stay
 comparable across editions. Set it to True to match TRL.
+
+A sampler that is not the policy (TRL's vLLM importance sampling, chapter 13): ``top_p < 1``
+samples from the renormalised nucleus while the loss differentiates the full softmax, as TRL
+with vLLM does. ``vllm_importance_sampling_correction=True`` then computes pi_old's log-probs
+before the update, the sampler's own (`sampling_log_probs`), and TRL's weights
+(``vllm_importance_sampling_mode``, ``_clip_max``, ``_clip_min``;
+`core.importance.vllm_importance_weights`), and multiplies each token's policy loss by its
+weight, as TRL does (through the advantage, `core.importance.weighted_advantages`; so a token of
+weight 0 never counts as clipped in "clip_ratio/*", where TRL counts it). Off by default (TRL's
+default is True, but applies only with vLLM): the step is then the same as without these
+settings.
 
 One difference in the logs, not in the gradient: with several micro-batches per update, "kl",
 "entropy" and the "clip_ratio/*" metrics here are token-weighted means over the whole batch,
@@ -79,17 +90,19 @@ from grpo_companion.core.advantages import (
     zero_advantage_fractions,
     zero_std_groups,
 )
-from grpo_companion.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, grpo_loss
+from grpo_companion.core.importance import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    VLLM_IMPORTANCE_SAMPLING_MODES,
+    top_p_log_probs,
+    vllm_importance_weights,
+    weighted_advantages,
+)
+from grpo_companion.core.losses import LOSS_TYPES, grpo_loss
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.checkpoint import load_checkpoint, save_checkpoint
-from grpo_companion.lm.models import build_prompts
-from grpo_companion.lm.rollouts import (
-    completion_logits,
-    generate_rollouts,
-    greedy_accuracy,
-    sequence_log_probs,
-    token_log_probs,
-)
+from grpo_companion.lm.gsm8k import build_prompts
+from grpo_companion.lm.rollouts import generate_rollouts, greedy_accuracy
+from grpo_companion.lm.scoring import completion_logits, sequence_log_probs, token_log_probs
 from grpo_companion.lm.steps import rollout_step_rewards
 from grpo_companion.lm.trainer_metrics import mean_entropy, rollout_metrics
 
@@ -144,12 +157,18 @@ class GRPOConfig:
     loss_type: str = "grpo"
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
     use_bias_correction_kl: bool = False  # KL times the ratio pi/pi_old; TRL 1.16's default: True
-    kl_clamp: bool = False  # verl's bounds on k3 (losses.kl_penalty); not in TRL
+    kl_clamp: bool = False  # verl's bounds on k3 (kl.kl_penalty); not in TRL
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon (symmetric clipping)
     delta: float | None = None  # two-sided clipping (verl: dual-clip clip_ratio_c)
     importance_sampling_level: str = "token"  # "sequence": GSPO
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask
+    # A sampler that is not the policy, and TRL's correction for it (module docstring)
+    top_p: float = 1.0  # the sampler's nucleus; the loss's log-probs stay the full softmax's
+    vllm_importance_sampling_correction: bool = False  # TRL: True, applied with vLLM only
+    vllm_importance_sampling_mode: str = "sequence_mask"  # core.importance's modes
+    vllm_importance_sampling_clip_max: float | None = 3.0  # TRL's deprecated name: ..._cap
+    vllm_importance_sampling_clip_min: float | None = None
     sapo_temperature_pos: float = 1.0  # loss_type "sapo" only
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0  # loss_type "vespo" only
@@ -179,6 +198,7 @@ class GRPOConfig:
             ("loss_type", LOSS_TYPES),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
             ("credit", CREDITS),
+            ("vllm_importance_sampling_mode", VLLM_IMPORTANCE_SAMPLING_MODES),
         ]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -196,8 +216,13 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:
             raise ValueError(f"a group needs num_generations >= 2, got {self.num_generations}")
-        if self.save_steps < 0 or self.beta < 0 or self.temperature <= 0:
-            raise ValueError("save_steps and beta must be >= 0 and temperature > 0")
+        for name in ("save_steps", "beta"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("temperature", "learning_rate", "epsilon"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self._check_sampler_correction()
         process_settings = {"method": "grpo", "scale_rewards": "group", "filter_degenerate": False,
                             "importance_sampling_level": "token"}  # fmt: skip
         changed = [name for name, value in process_settings.items() if getattr(self, name) != value]
@@ -208,6 +233,30 @@ class GRPOConfig:
             raise ValueError(
                 f"credit='process' needs {process_settings}; got "
                 + ", ".join(f"{name}={getattr(self, name)!r}" for name in changed)
+            )
+
+    def _check_sampler_correction(self):
+        """The sampler's and TRL's checks on the vLLM importance-sampling settings."""
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                f"vllm_importance_sampling_clip_max ({high})"
+            )
+        if not self.vllm_importance_sampling_correction:
+            return
+        mode = self.vllm_importance_sampling_mode
+        if mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(f"vllm_importance_sampling_mode {mode!r} needs clip_min or clip_max")
+        if self.loss_type == "vespo":
+            # TRL routes the ratio into VESPO's own weights instead of multiplying the loss.
+            raise ValueError("vllm_importance_sampling_correction is not implemented for vespo")
+        if self.importance_sampling_level == "sequence" and mode.startswith("token"):
+            # GSPO's one ratio per sequence needs one advantage per sequence (losses.py).
+            raise ValueError(
+                f"importance_sampling_level='sequence' needs a sequence mode, not {mode!r}"
             )
 
 
@@ -250,7 +299,7 @@ def train(
 
     Args:
         model, tokenizer: a causal LM and its tokenizer (``models.load_policy``); prompts are
-            ``models.build_prompts(tokenizer, data)``.
+            ``gsm8k.build_prompts(tokenizer, data)``.
         train_data, eval_data: GSM8K-schema datasets (``gsm8k.load_gsm8k``): columns
             ``question`` and ``answer`` (ending in ``#### N``).
         reward_fn: ``reward_fn(completion_text, gold) -> float``, for training and evaluation.
@@ -369,6 +418,7 @@ def grpo_step(
         num_generations=config.num_generations,
         max_completion_length=config.max_completion_length,
         temperature=config.temperature,
+        top_p=config.top_p,
         seed=rollout_seed(config.seed, step),
         batch_size=config.rollout_batch_size,
         reward_fn=reward_fn,
@@ -427,8 +477,34 @@ def grpo_step(
                 )
         return values
 
-    old_log_probs = log_probs_without_grad(model) if config.num_iterations > 1 else None
+    correcting = config.vllm_importance_sampling_correction
+    old_log_probs = (
+        log_probs_without_grad(model) if config.num_iterations > 1 or correcting else None
+    )
     ref_log_probs = None if reference is None else log_probs_without_grad(reference)
+    # TRL's vLLM importance sampling: weights from pi_old against the sampler's own log-probs,
+    # each token's policy loss times its weight (core.importance.weighted_advantages).
+    loss_advantages = advantages
+    if correcting:
+        sampled = torch.zeros(completion_mask.shape, device=completion_mask.device)
+        for batch in micro_batches:
+            sampled[batch] = sampling_log_probs(
+                model,
+                input_ids[batch],
+                attention_mask[batch],
+                completion_mask[batch],
+                config.temperature,
+                config.top_p,
+                num_generations=shared,
+            )
+        weights = vllm_importance_weights(
+            old_log_probs - sampled,
+            loss_mask,
+            config.vllm_importance_sampling_mode,
+            config.vllm_importance_sampling_clip_max,
+            config.vllm_importance_sampling_clip_min,
+        )
+        loss_advantages = weighted_advantages(advantages, weights)
 
     # 4. num_iterations updates on this batch. Summing share * micro-batch loss over the
     # micro-batches gives exactly the loss of the whole batch, hence the same gradient ("bnpo":
@@ -456,7 +532,7 @@ def grpo_step(
                 log_probs,
                 pi_old,
                 None if ref_log_probs is None else ref_log_probs[batch],
-                advantages[batch],
+                loss_advantages[batch],
                 loss_mask[batch],
                 max_completion_length=config.max_completion_length,
                 allow_empty=config.mask_truncated_completions,
@@ -497,6 +573,24 @@ def grpo_step(
 
 
 CLIP_METRICS = ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
+
+
+@torch.no_grad()
+def sampling_log_probs(
+    model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
+    top_p: float = 1.0, *, num_generations: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """log pi_samp of the completion tokens, (N, T), 0 off `completion_mask`: the sampler's
+    own log-probs, the nucleus of softmax(logits / temperature) renormalised
+    (`core.importance.top_p_log_probs`), as `generate_rollouts` samples with ``top_p`` and as
+    vLLM reports them. Arguments as `scoring.sequence_log_probs`."""
+    logits = completion_logits(
+        model, input_ids, attention_mask, completion_mask.shape[1], num_generations=num_generations
+    )
+    log_probs = top_p_log_probs(logits / temperature, top_p)
+    targets = input_ids[:, -completion_mask.shape[1] :]
+    values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(completion_mask.bool(), values, 0.0)
 
 
 def loss_options(config: GRPOConfig) -> dict:

@@ -37,7 +37,7 @@ def rollout_metrics(rollouts, scale_rewards: str) -> dict:
 def mean_entropy(logits, completion_mask, temperature: float) -> float:
     """Mean entropy of softmax(logits / temperature) over the completion tokens.
 
-    logits: (N, T, V) from `rollouts.completion_logits`, the update's own forward pass;
+    logits: (N, T, V) from `scoring.completion_logits`, the update's own forward pass;
     completion_mask: (N, T).
     """
     log_p = torch.log_softmax(logits.float() / temperature, dim=-1)

@@ -1,38 +1,22 @@
 r"""The book's measurements on a TRL run: a `TrainerCallback` a reader can attach to their own.
 
-TRL's `GRPOTrainer` logs what `trainer.METRICS` names (rewards, the zero-std fraction, lengths,
-truncation, loss, KL, clipping, entropy, gradient norm) but shows a callback neither the rewards
-of a group nor the advantages. Two hooks bring them out:
+TRL's `GRPOTrainer` logs what `trainer.METRICS` names but shows a callback neither the rewards of
+a group nor the advantages. Two hooks bring them out: `BookMeasurements.recording(reward_func)`
+wraps any TRL reward function and stores the rewards it returns (public API), and
+`MeasuredGRPOTrainer`, a thin `GRPOTrainer` subclass, hands each generation batch to the
+callback. It overrides `_generate_and_score_completions`, a PRIVATE method of TRL, checked
+against `TRL_VERSION` only (tests/lm/test_trl_engine.py pins it); the batch is the dict that method
+returns, rows prompt-major, G = num_generations per prompt.
 
-  - the reward function, wrapped by `BookMeasurements.recording(reward_func)`, stores the rewards
-    of the completions it scores (public API: any TRL reward function can be wrapped);
-  - `MeasuredGRPOTrainer`, a thin `GRPOTrainer` subclass, hands each generation batch to the
-    callback. It overrides `_generate_and_score_completions`, a PRIVATE method of TRL: checked
-    against TRL 1.16.0 only (`TRL_VERSION`; tests/test_trl_engine.py pins it). The batch is the
-    dict that method returns: prompt_ids (N, P) left-padded, prompt_mask, completion_ids (N, T),
-    completion_mask (N, T), advantages (N,), rows prompt-major, G = num_generations per prompt.
+Per generation batch the callback records, besides TRL's logs, the all-correct and all-wrong
+fractions of groups and `jensen_zero_std` (chapter 6; `batch_measurements`), the share of
+completion tokens with zero advantage, and every `rank_every` batches chapter 7's effective
+ranks of the first group's per-rollout score rows (`first_group_ranks`). With several processes
+each measures the groups wholly on its slice of the batch (per-process batch sizes that are
+multiples of G keep every group whole); the main process's values are recorded, and only it
+evaluates (with DDP; under FSDP or ZeRO-3 pass evaluate=None).
 
-Per generation batch (one companion step: a batch followed by num_iterations updates) the
-callback records, besides TRL's logs,
-
-    all_correct, all_wrong   fractions of groups whose rewards are all 1 / all 0 (chapter 6)
-    jensen_zero_std          mean over the batch's groups of p^G + (1 - p)^G, p the group's pass
-                             rate: the probability that a fresh group of G i.i.d. completions of
-                             the same prompts would be all-correct or all-wrong if each prompt's
-                             pass rate were its empirical one. A plug-in estimate: it uses p-hat for
-                             p, so it is biased (each group's own degenerate outcome gives p-hat in
-                             {0, 1} and a term of 1); chapter 6 derives the exact expectation
-    zero_advantage_token_share   completion tokens whose advantage is 0 (zero-std groups, and
-                             mean-valued completions): they carry no policy gradient; the
-                             companion trainer records it too (`trainer.METRICS`)
-    rank/<measure>           every `rank_every` batches: chapter 7's effective ranks
-                             (`core.spectra.rank_measures`) of the first group's length-normalised
-                             per-rollout score rows (`lm.gradients.rollout_gram`, a streaming Gram)
-
-With several processes each process measures its own slice of the generation batch (the
-groups whose rows all lie on it: per-process batch sizes that are multiples of G keep every
-group whole); the main process's values are recorded, and only it evaluates (with DDP; under
-FSDP or ZeRO-3, whose generation needs every process, pass evaluate=None).
+Chapter: :doc:`/book/11_gsm8k` (TRL as the engine)
 """
 
 import torch
@@ -41,8 +25,8 @@ from trl import GRPOTrainer
 
 from grpo_companion.core.advantages import zero_advantage_fractions
 from grpo_companion.core.spectra import gram_singular_values, rank_measures
-from grpo_companion.lm.gradients import rollout_gram
 from grpo_companion.lm.rollouts import Rollouts
+from grpo_companion.lm.streaming_gram import rollout_gram
 
 TRL_VERSION = "1.16.0"  # `_generate_and_score_completions` was read in this version
 BOOK_METRICS = ("jensen_zero_std",)  # besides the companion's METRICS it fills in
@@ -50,7 +34,8 @@ RANK_METRICS = ("rank/entropy", "rank/stable", "rank/energy_90", "rank/energy_99
 
 
 class BookMeasurements(TrainerCallback):
-    """Collects per-batch measurements (module docstring) and held-out accuracies.
+    """Collects per-batch measurements (`batch_measurements`, `first_group_ranks`) and held-out
+    accuracies.
 
     num_generations: G. rank_every: measure ranks every that many batches (0: never).
     evaluate: optional ``evaluate(model) -> float``, called after the updates of batch s when
@@ -112,6 +97,12 @@ class BookMeasurements(TrainerCallback):
 def batch_measurements(rewards, advantages, completion_mask, num_generations: int) -> dict:
     """all_correct, all_wrong, jensen_zero_std, zero_advantage_token_share of one batch.
 
+    jensen_zero_std is the mean over groups of p^G + (1 - p)^G at the group's empirical pass
+    rate p: a plug-in estimate of the degenerate rate of fresh groups, biased (a degenerate
+    group's own p is 0 or 1 and gives a term of 1); chapter 6 derives the exact expectation.
+    zero_advantage_token_share counts completion tokens whose advantage is 0 (zero-std groups,
+    and mean-valued completions): they carry no policy gradient.
+
     rewards: N = B * G floats, prompt-major (an empty list: no reward seen, those three are
     None); advantages: (N,); completion_mask: (N, T)."""
     zero = zero_advantage_fractions(advantages, completion_mask)
@@ -120,6 +111,8 @@ def batch_measurements(rewards, advantages, completion_mask, num_generations: in
         return {**record, "all_correct": None, "all_wrong": None, "jensen_zero_std": None}
     groups = torch.tensor(rewards, dtype=torch.float64).view(-1, num_generations)  # (B, G)
     p = groups.mean(dim=1)
+    # `core.exact.degenerate_rate`'s f(p), written on the tensor: numpy's pow differs in the last
+    # bit from torch's, and the recorded values stay those of earlier runs.
     return {
         **record,
         "all_correct": (groups == 1).all(dim=1).double().mean().item(),

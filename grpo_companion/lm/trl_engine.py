@@ -38,13 +38,8 @@ from transformers import PrinterCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
-from grpo_companion.lm.models import (
-    SYSTEM_PROMPT,
-    ModelUnavailableError,
-    build_prompts,
-    check_model_available,
-    load_policy,
-)
+from grpo_companion.lm.gsm8k import SYSTEM_PROMPT, build_prompts
+from grpo_companion.lm.models import ModelUnavailableError, check_model_available, load_policy
 from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, GRPOConfig, held_out_accuracy, train
 
 ENGINES = ("companion", "trl")
@@ -55,7 +50,9 @@ SAME_NAME = (
     "epsilon_high", "delta", "importance_sampling_level", "off_policy_mask_threshold",
     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
     "vespo_k_neg", "vespo_lambda_neg", "learning_rate", "weight_decay", "max_grad_norm",
-    "num_iterations", "seed",
+    "num_iterations", "seed", "top_p", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
 )  # fmt: skip
 # Per-update metrics: averaged over a batch's num_iterations TRL steps, as `trainer.grpo_step`.
 UPDATE_METRICS = ("loss", "kl", *CLIP_METRICS, "entropy", "grad_norm")
@@ -173,7 +170,7 @@ def train_with_trl(
         config.num_generations, rank_every=rank_every, evaluate=evaluate,
         eval_every=config.eval_every, num_iterations=config.num_iterations,
     )  # fmt: skip
-    # Conversational prompts: TRL applies the chat template, as `models.format_prompt` does.
+    # Conversational prompts: TRL applies the chat template, as `gsm8k.format_prompt` does.
     questions = list(train_data["question"])
     dataset = datasets.Dataset.from_dict({
         "prompt": [[{"role": "system", "content": SYSTEM_PROMPT},

@@ -1,28 +1,25 @@
 """Execute the chapters with papermill and render the book with Jupyter Book 1.
 
-Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs.  A run:
+Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs. A run:
 
-1. reads the chapter's `parameters` cell and refuses, before any cell runs, an override whose
-   name the chapter does not declare or whose type differs from the default's, and a chapter
-   without a table in `book/results.toml` (the result keys and figures it records);
+1. refuses, before any cell runs, an override that the chapter's `parameters` cell does not
+   declare, of another type than the default's or outside its declared range (`parameters.py`),
+   and a chapter without a table in `book/results.toml` (the keys and figures it records);
 2. converts the source with jupytext and executes it with papermill into `_build/tmp/<chapter>/`,
-   injecting the profile's parameters (`book/profiles.toml`), the user's overrides,
-   `profile` and `output_dir`, and `build_dir` (the build's folder, where the other chapters'
-   results and figures are) when the chapter declares it, as chapter 12 does;
-3. only when every cell succeeded and the chapter recorded exactly the keys and figures it
-   declares, replaces its published outputs in one move each: `_build/source/book/<chapter>.ipynb`,
-   `_build/figures/<chapter>/`, `_build/results/<chapter>.json`. A failing chapter leaves its
-   notebook in `_build/failed/` (until it next succeeds) and every published output as it was.
-4. before publishing, adds the pipeline's part of the `provenance` record to the results (the
-   kernel's part comes from `ChapterReport.write`; see `provenance.py`), stores the run's seconds
-   in `_build/timings/<profile>.json` (runs without overrides only), and makes the notebook fit
-   to publish: papermill's injected cell, which holds the build's absolute paths, and the paths
-   in papermill's metadata are dropped, and under the title go what the chapter needs (CPU or
-   GPU, its last measured minutes per profile, a re-run command) and the parameters it ran with.
+   injecting the profile's parameters (`book/profiles.toml`), the overrides, `profile`,
+   `output_dir` and, when declared (chapter 12), `build_dir`;
+3. only when every cell succeeded and the chapter recorded exactly what it declares, adds the
+   pipeline's part of the `provenance` record, stores the run's seconds in
+   `_build/timings/<profile>.json` (runs without overrides only), strips the notebook of
+   papermill's injected cell and absolute paths, heads it with what the chapter needs (device,
+   minutes, re-run command, parameters), and replaces its published outputs in one move each:
+   `_build/source/book/<chapter>.ipynb`, `_build/figures/<chapter>/`,
+   `_build/results/<chapter>.json`. A failing chapter leaves its notebook in `_build/failed/`
+   (until it next succeeds) and every published output as it was.
 
-`build_html` renders `_build/source` (a copy of the book with the executed notebooks, its other
-pages and `references.bib`, plus `_build/figures` as `figures/`, so pages can link them) into
-`_build/html` with `execute_notebooks: off` and warnings as errors.
+`build_html` renders `_build/source` (the book with the executed notebooks, its other pages,
+`references.bib` and `_build/figures` as `figures/`) into `_build/html` with
+`execute_notebooks: off` and warnings as errors.
 """
 
 import ast
@@ -38,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from grpo_companion.machinery.declarations import load_declarations, mismatches
+from grpo_companion.machinery.parameters import ParameterError, read_cell, violation
 from grpo_companion.machinery.provenance import (
     header_markdown,
     load_timings,
@@ -101,6 +99,15 @@ class Project:
 
 def chapter_parameters(path: Path) -> dict:
     """The defaults declared in the cell tagged `parameters`, as Python values."""
+    return _parameters_cell(path)[0]
+
+
+def chapter_constraints(path: Path) -> dict[str, str]:
+    """The accepted range declared beside each default (`name: ">= 1" = 200`), by name."""
+    return _parameters_cell(path)[1]
+
+
+def _parameters_cell(path: Path) -> tuple[dict, dict]:
     import jupytext
 
     cells = [
@@ -110,21 +117,14 @@ def chapter_parameters(path: Path) -> dict:
         raise PipelineError(
             f"{path.name}: needs exactly one cell tagged 'parameters', found {len(cells)}"
         )
-    defaults = {}
-    for statement in ast.parse(cells[0].source).body:
-        if not (
-            isinstance(statement, ast.Assign)
-            and len(statement.targets) == 1
-            and isinstance(statement.targets[0], ast.Name)
-        ):
-            raise PipelineError(
-                f"{path.name}: the parameters cell may hold only `name = literal` lines"
-            )
-        defaults[statement.targets[0].id] = ast.literal_eval(statement.value)
+    try:
+        defaults, constraints = read_cell(cells[0].source, path.name)
+    except ParameterError as error:
+        raise PipelineError(str(error)) from None
     missing = [name for name in RESERVED if name not in defaults]
     if missing:
         raise PipelineError(f"{path.name}: the parameters cell must declare {', '.join(missing)}")
-    return defaults
+    return defaults, constraints
 
 
 def parse_value(text: str):
@@ -151,7 +151,7 @@ def resolve_parameters(
 ) -> dict:
     """The parameters `chapter` runs with: the profile's `shared` values for the parameters the
     chapter declares, then the profile's table for the chapter, then `overrides`, each later one
-    winning, each checked against the chapter's defaults (name and type). Returns only what
+    winning, each checked against the chapter's defaults (name, type and range). Returns only what
     these set; papermill injects it after the parameters cell.
 
     A dict-valued parameter is merged key by key into the chapter's default dict, so a profile or
@@ -184,6 +184,11 @@ def _resolve(
             if isinstance(defaults[name], dict):
                 value = {**defaults[name], **parameters.get(name, {}), **value}
             parameters[name], sources[name] = value, source
+    constraints = chapter_constraints(project.source(chapter))
+    for name, value in parameters.items():
+        problem = violation(name, value, constraints[name]) if name in constraints else None
+        if problem:
+            raise PipelineError(f"chapter {chapter}: {problem}")
     return defaults, parameters, sources
 
 

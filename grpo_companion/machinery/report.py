@@ -84,6 +84,13 @@ class ChapterReport:
         glue(name, self.results["values"][name], display=display)
         return value
 
+    def record_all(self, values: dict, prefix: str = "") -> dict:
+        """`record` each of `values` under `prefix + key`, the one line a section needs to
+        publish its numbers; returns `values`."""
+        for key, value in values.items():
+            self.record(prefix + key, value)
+        return values
+
     def write(self) -> Path:
         """Write results.json, with the kernel's part of the provenance record (package
         versions, torch threads, CPU, GPU, CPU seconds so far); the pipeline adds its own."""

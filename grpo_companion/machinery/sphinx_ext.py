@@ -9,11 +9,21 @@ No page may show where the book was built: a page whose body holds the absolute 
 folder (the pipeline renders `<build dir>/source`; an output that printed `output_dir`, say) or
 of the checkout the package runs from (a default argument the API reference shows, say) is a
 warning, which the pipeline's `-W` makes an error.
+
+The directive `function-source` shows a function's source on the page, as d2l shows its saved
+code: ```` ```{function-source} grpo_companion.core.group_estimators.per_sequence_estimates ````
+renders the function as it is in the package, under a link to its API entry.
 """
 
+import importlib
+import inspect
+import textwrap
 from pathlib import Path
 
+from docutils import nodes
+from sphinx import addnodes
 from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +58,44 @@ def _refuse_machine_paths(app, pagename, templatename, context, doctree):
             )
 
 
+def function_source(path: str) -> str:
+    """The source of the function or class at dotted `path`, dedented, as the package has it."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"function-source: cannot import {path!r} ({error})") from None
+    return textwrap.dedent(inspect.getsource(target)).rstrip("\n")
+
+
+class FunctionSource(SphinxDirective):
+    """```{function-source} dotted.path.to.function```: its source, under a link to its API
+    entry."""
+
+    required_arguments = 1
+
+    def run(self):
+        path = self.arguments[0]
+        try:
+            code = function_source(path)
+        except ValueError as error:
+            return [self.state.document.reporter.warning(str(error), line=self.lineno)]
+        name = path.rpartition(".")[2]
+        link = addnodes.pending_xref(
+            "", refdomain="py", reftype="obj", reftarget=path, refexplicit=False, refwarn=True,
+            refdoc=self.env.docname,
+        )  # fmt: skip
+        link["py:module"] = link["py:class"] = None
+        link += nodes.literal(name, name, classes=["xref", "py", "py-obj"])
+        said = nodes.Text(", as the package runs it:")
+        caption = nodes.paragraph("", "The source of ", link, said)
+        block = nodes.literal_block(code, code, language="python")
+        self.set_source_info(block)
+        return [caption, block]
+
+
 def setup(app):
+    app.add_directive("function-source", FunctionSource)
     app.connect("html-page-context", _drop_repeated_scripts, priority=900)
     app.connect("html-page-context", _refuse_machine_paths)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,1 @@
+"""Chapter 9, the advantage zoo on one exact yardstick."""

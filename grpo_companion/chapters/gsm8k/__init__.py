@@ -1,0 +1,1 @@
+"""Chapter 11, GRPO on GSM8K-style problems."""

@@ -1,0 +1,304 @@
+"""Chapter 6, sections 2, 4 and 5: gradient sparsity measured on language models.
+
+Section 2 splits one batch's policy gradient into its groups (`per_group_gradients`,
+`gradient_split`); section 4 aggregates GRPO runs over seeds: `histories` is a dict
+(method, seed) -> `trainer.train` history, every method run on the same seeds, so differences
+between methods are paired, and the runs, not the steps, are the independent units (every
+interval is a Student-t interval over seeds, `core.stats`); section 5 summarises a pretrained
+model's samples (`sample_sparsity`). Section 3's long runs are `sparsity_dynamics`.
+"""
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from grpo_companion.chapters.sparsity.rate import (
+    beta_concentration_for,
+    gradient_share,
+    iid_degenerate_rate,
+)
+from grpo_companion.core.advantages import (
+    degenerate_fractions,
+    group_advantages,
+    zero_advantage_fractions,
+    zero_std_groups,
+)
+from grpo_companion.core.exact import best_step_error, beta_quadrature
+from grpo_companion.core.losses import grpo_loss
+from grpo_companion.core.stats import interval_words, metric_by_step, seed_band
+from grpo_companion.lm.parallel import map_runs
+from grpo_companion.lm.rollouts import Rollouts
+from grpo_companion.lm.scoring import sequence_log_probs
+from grpo_companion.lm.trainer import GRPOConfig, train
+
+
+def per_group_gradients(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Each group's share of the on-policy policy gradient of a batch, (num_prompts, P).
+
+    Row b is -grad of group b's terms of the loss_type "grpo" loss with beta = 0 on the
+    whole batch, (1 / (B G)) sum_{i in b} A_i (1/|o_i|) sum_t log pi(o_it): the rows sum to
+    the batch's ascent direction, and a group of zero advantages has a zero row exactly.
+    P counts the parameters that require grad, flattened in `model.parameters()` order.
+
+    Args: input_ids, attention_mask (B * G, P + T) and completion_mask (B * G, T) as in
+    `rollouts.Rollouts`, prompt-major; advantages (B, G).
+    """
+    num_prompts, group_size = advantages.shape
+    num_rollouts = advantages.numel()
+    if input_ids.shape[0] != num_rollouts or completion_mask.shape[0] != num_rollouts:
+        raise ValueError(
+            f"need B * G = {num_rollouts} rows of input_ids and completion_mask, "
+            f"got {input_ids.shape[0]} and {completion_mask.shape[0]}"
+        )
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    rows = []
+    for group in range(num_prompts):
+        members = slice(group * group_size, (group + 1) * group_size)
+        log_probs = sequence_log_probs(
+            model,
+            input_ids[members],
+            attention_mask[members],
+            completion_mask[members],
+            temperature,
+        )
+        # On-policy (old = current) the clipped surrogate's gradient is the policy gradient.
+        loss, _ = grpo_loss(
+            log_probs, log_probs.detach(), None, advantages[group], completion_mask[members]
+        )
+        gradients = torch.autograd.grad(-loss / num_prompts, parameters, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    torch.zeros(parameter.numel(), dtype=parameter.dtype)
+                    if gradient is None
+                    else gradient.flatten()
+                    for parameter, gradient in zip(parameters, gradients)
+                ]
+            )
+        )
+    return torch.stack(rows)
+
+
+# --- section 2: one batch of rollouts ----------------------------------------------------------
+
+
+def batch_sparsity(rewards: Tensor, completion_mask: Tensor) -> dict:
+    """How sparse one batch is: "batch_all_correct", "batch_all_wrong" and "batch_degenerate"
+    (fractions of groups), "batch_zero_advantage_rollouts" and "batch_zero_advantage_tokens"
+    (fractions with GRPO advantage 0). rewards (B, G); completion_mask (B * G, T)."""
+    groups = degenerate_fractions(rewards)
+    zero = zero_advantage_fractions(group_advantages(rewards), completion_mask)
+    return {
+        "batch_all_correct": groups["all_correct"],
+        "batch_all_wrong": groups["all_wrong"],
+        "batch_degenerate": groups["degenerate"],
+        "batch_zero_advantage_rollouts": zero["rollouts"],
+        "batch_zero_advantage_tokens": zero["tokens"],
+    }
+
+
+METHOD_NAMES = {"grpo": "GRPO", "sign": "Sign"}
+
+
+def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[dict, pd.DataFrame]:
+    """Where each method's policy gradient on `batch` lives: its degenerate groups or the rest.
+
+    Returns records "<method>_gradient_norm" (the whole batch), "<method>_degenerate_gradient_norm"
+    (the degenerate groups' part), "sign_mixed_share" (the mixed groups' `gradient_share` under
+    Sign; GRPO's is 1 whenever a group is mixed, and undefined when none is), and a table of each
+    group: its number of correct completions, kind, and each method's gradient norm.
+    """
+    degenerate = zero_std_groups(batch.rewards)
+    records, norms = {}, {}
+    for method in methods:
+        gradients = per_group_gradients(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.completion_mask,
+            group_advantages(batch.rewards, method),
+            batch.temperature,
+        )
+        norms[method] = gradients.norm(dim=1).numpy()
+        records[f"{method}_gradient_norm"] = gradients.sum(dim=0).norm().item()
+        records[f"{method}_degenerate_gradient_norm"] = (
+            gradients[degenerate].sum(dim=0).norm().item()
+        )
+        if method == "sign":
+            records["sign_mixed_share"] = gradient_share(gradients, ~degenerate)
+    rewards = batch.rewards
+    kind = np.where(
+        (rewards == 1).all(1), "all correct", np.where((rewards == 0).all(1), "all wrong", "mixed")
+    )
+    table = pd.DataFrame({"correct of G": rewards.sum(1).int().numpy(), "group": kind})
+    for method in methods:
+        table[f"{METHOD_NAMES.get(method, method)} gradient norm"] = norms[method]
+    return records, table
+
+
+# --- section 4: training runs over seeds ------------------------------------------------
+
+
+def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, methods: dict, seeds, *,
+                initial_accuracy: float, workers: int | None = None) -> dict:  # fmt: skip
+    """(method, seed) -> `trainer.train` history of every method (name -> GRPOConfig overrides)
+    on every seed, each from a fresh `load_model()` copy, in one-thread workers
+    (`lm.parallel.map_runs`: the same histories as one run after another)."""
+
+    def run(key):
+        name, seed = key
+        config = GRPOConfig(**grpo, seed=seed, **methods[name])
+        return train(load_model(), tokenizer, train_data, eval_data, config, progress=False,
+                     initial_accuracy=initial_accuracy)  # fmt: skip
+
+    return map_runs(run, [(name, seed) for name in methods for seed in seeds], workers=workers)
+
+
+def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values (num_seeds, num_steps)) of `metric` over the runs of `method`.
+
+    histories: (method, seed) -> `trainer.train` history, seeds in the order the runs were made.
+    """
+    return metric_by_step([h for (name, _), h in histories.items() if name == method], metric)
+
+
+def smoothed(values, window: int) -> np.ndarray:
+    """Each run's moving average over `window` steps, (num_runs, num_steps): one step has only
+    `per_step_prompts` groups, so its fractions move in large jumps."""
+    return pd.DataFrame(np.asarray(values).T).rolling(window, min_periods=1).mean().to_numpy().T
+
+
+def remedy_summary(histories: dict, methods, reference: str, predicted: dict,
+                   names: dict) -> tuple[dict, pd.DataFrame]:  # fmt: skip
+    """Final held-out accuracy of each method over seeds, and its difference from the reference's.
+
+    histories: (method, seed) -> `trainer.train` history; every method run on the same seeds, so
+    the differences are paired. reference: the arm the others are compared with; predicted:
+    method -> its predicted difference from the reference (`predicted_difference`); names:
+    method -> its name in the text. Returns records "initial_accuracy" (mean over all runs of the
+    first evaluation); per method "<m>_final_accuracy{,_low,_high}" (mean and 95% interval over
+    seeds), "<m>_accuracy_gain{,_low,_high}" (final minus first evaluation) and
+    "<m>_degenerate_rate" (over all steps); per other method "<m>_minus_<reference>{,_low,_high}"
+    and "<m>_versus_<reference>" (`core.stats.interval_words` against the prediction); and a
+    table by method.
+    """
+    records = {"initial_accuracy": np.mean([h[0]["eval_accuracy"] for h in histories.values()])}
+    rows = []
+    for name in methods:
+        _, accuracy = runs_of(histories, name, "eval_accuracy")
+        _, zero_std = runs_of(histories, name, "frac_reward_zero_std")
+        final = seed_band(accuracy[:, -1:])
+        gain = seed_band(accuracy[:, -1:] - accuracy[:, :1])
+        for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+            records[f"{name}_final_accuracy{suffix}"] = final[key][0]
+            records[f"{name}_accuracy_gain{suffix}"] = gain[key][0]
+        records[f"{name}_degenerate_rate"] = zero_std.mean()
+        rows.append(
+            {
+                "method": name,
+                "final accuracy": final["mean"][0],
+                "95% low": final["low"][0],
+                "95% high": final["high"][0],
+                "gain over the warm start": gain["mean"][0],
+                "degenerate rate (all steps)": zero_std.mean(),
+            }
+        )
+    _, reference_accuracy = runs_of(histories, reference, "eval_accuracy")
+    for name in [name for name in methods if name != reference]:
+        _, accuracy = runs_of(histories, name, "eval_accuracy")
+        difference = seed_band(accuracy[:, -1:] - reference_accuracy[:, -1:])
+        key = f"{name}_minus_{reference}"
+        records[key] = difference["mean"][0]
+        records[f"{key}_low"] = difference["low"][0]
+        records[f"{key}_high"] = difference["high"][0]
+        records[f"{name}_versus_{reference}"] = interval_words(
+            difference["low"][0], difference["high"][0], predicted[name],
+            supports=f"on the predicted side of {names[reference]}'s",
+            contradicts=f"short of the predicted difference from {names[reference]}'s",
+        )  # fmt: skip
+    return records, pd.DataFrame(rows).set_index("method")
+
+
+def run_regime(histories: dict, method: str, group_size: int) -> dict:
+    """Where the runs of `method` sat, over all their steps: "mean_pass_rate" (mean reward),
+    "degenerate_rate", "all_correct_share" (of the G-groups), and "concentration", the kappa of
+    the Beta(m kappa, (1 - m) kappa) with that mean and degenerate rate
+    (`sparsity.beta_concentration_for`), kept in [1e-3, 1e3] where Gauss-Jacobi quadrature
+    holds: 1e3 (nearly one pass rate) when the rate is at or below the i.i.d. prediction, 1e-3
+    when every group was degenerate."""
+    mean = runs_of(histories, method, "reward")[1].mean()
+    rate = runs_of(histories, method, "frac_reward_zero_std")[1].mean()
+    all_correct = runs_of(histories, method, "all_correct")[1].mean()
+    floor = iid_degenerate_rate(mean, group_size)["degenerate"][0]
+    if not 0 < mean < 1 or rate >= 1:
+        concentration = 1e-3
+    elif rate <= floor + 1e-9:
+        concentration = 1e3
+    else:
+        concentration = min(1e3, max(1e-3, beta_concentration_for(rate, mean, group_size)))
+    return {
+        "mean_pass_rate": float(mean),
+        "degenerate_rate": float(rate),
+        "all_correct_share": float(all_correct),
+        "concentration": float(concentration),
+    }
+
+
+def best_step_progress(mean: float, concentration: float, group_size: int, method: str,
+                       **options) -> float:  # fmt: skip
+    """1 - `exact.best_step_error`: the share of the squared true gradient that one step of
+    `method` at its best step size recovers, on prompts p ~ Beta(m kappa, (1 - m) kappa) with
+    no score noise (the setting most favourable to Sign, chapter 9)."""
+    mean = min(max(mean, 1e-3), 1 - 1e-3)
+    nodes, weights = beta_quadrature(mean * concentration, (1 - mean) * concentration)
+    return 1 - best_step_error(nodes, weights, group_size, method, **options)["relative_error"]
+
+
+def predicted_difference(reference_gain: float, progress: float, reference_progress: float):
+    """The predicted held-out gain of a method minus the reference's: the reference's measured
+    gain (0 if it fell) times the ratio of their `best_step_progress` less 1."""
+    return max(reference_gain, 0.0) * (progress / reference_progress - 1)
+
+
+# --- section 5: a pretrained model's samples --------------------------------------------------
+
+
+def sample_sparsity(samples: Rollouts) -> dict:
+    """How degenerate a sampled batch is, and how much of that is truncation.
+
+    Returns "small_num_prompts", "small_group_size", "small_degenerate", "small_all_correct",
+    "small_all_wrong", "small_pass_rate", "small_iid_prediction" (f at that mean pass rate),
+    "small_truncated_fraction" (of completions), "small_groups_all_truncated" (fraction of
+    groups), "small_num_finished", "small_num_completions" and "small_pass_rate_finished" (0
+    when no completion finished: 0 correct of 0 is shown as 0).
+    """
+    groups = degenerate_fractions(samples.rewards)
+    truncated = samples.truncated.view(samples.num_prompts, samples.num_generations)
+    pass_rate = samples.rewards.mean().item()
+    finished = ~samples.truncated
+    return {
+        "small_num_prompts": samples.num_prompts,
+        "small_group_size": samples.num_generations,
+        "small_degenerate": groups["degenerate"],
+        "small_all_correct": groups["all_correct"],
+        "small_all_wrong": groups["all_wrong"],
+        "small_pass_rate": pass_rate,
+        "small_iid_prediction": iid_degenerate_rate(pass_rate, samples.num_generations)[
+            "degenerate"
+        ][0],
+        "small_truncated_fraction": truncated.double().mean().item(),
+        "small_groups_all_truncated": truncated.all(dim=1).double().mean().item(),
+        "small_num_finished": int(finished.sum()),
+        "small_num_completions": finished.numel(),
+        "small_pass_rate_finished": (
+            samples.rewards.flatten()[finished].mean().item() if finished.any() else 0.0
+        ),
+    }
