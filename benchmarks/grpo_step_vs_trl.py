@@ -76,9 +76,10 @@ from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
-from grpo_companion.lm.trainer import GRPOConfig, grpo_step, reference_and_optimizer
+from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
 from grpo_companion.lm.trl_engine import trl_config
 
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step

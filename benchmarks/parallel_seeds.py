@@ -20,10 +20,11 @@ import time
 
 import torch
 
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
 from grpo_companion.lm.parallel import default_workers, map_runs
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
-from grpo_companion.lm.trainer import GRPOConfig, train
+from grpo_companion.lm.trainer import train
 
 SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "train_steps": 50}
 

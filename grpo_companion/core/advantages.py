@@ -1,59 +1,21 @@
-r"""Group-relative advantages.
+r"""Group-relative advantages: each completion's baseline from the other completions of its group.
 
-For one prompt we sample a group of G completions (TRL: ``num_generations``)
-and score them with rewards r_1, ..., r_G. Every method below turns the rewards
-of a group into advantages A_1, ..., A_G without a learned value function: the
-baseline comes from the other completions of the same group.
+For one prompt we sample a group of G completions (TRL: ``num_generations``) with rewards
+r_1, ..., r_G; `group_advantages` turns them into advantages A_1, ..., A_G without a learned
+value function, by one of `METHODS`: GRPO's, Dr. GRPO's, RLOO, sign, softmax, and verl's
+``grpo_passk``, ``reinforce_plus_plus_baseline`` and ``gpg`` (the formulas and where each
+library differs: its docstring). "grpo" follows TRL's ``GRPOTrainer``: a Bessel-corrected std
+plus ``eps = 1e-4`` (verl: 1e-6), which ``scale_rewards`` takes per group ("group"), over the
+batch ("batch", the means staying per group) or not at all ("none": "dr_grpo").
+`BATCH_METHODS` couple the groups of a batch.
 
-    grpo     A_i = (r_i - mean(r)) / (std(r) + eps)
-    dr_grpo  A_i = r_i - mean(r)
-    rloo     A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean(r))
-    sign     A_i = 2 r_i - 1 for r_i in {0, 1}, else +1 if r_i > threshold else -1
-    softmax  A_i = G * softmax(r / temperature)_i - 1
-    grpo_passk  only the best completion of the group gets r_max - r_second_max (divided by the
-             group's std + eps when scale_rewards="group"), every other one 0
-    reinforce_plus_plus_baseline  r_i - mean(r), then whitened over the whole batch
-    gpg      alpha * (r_i - mean(r)), alpha = (B G) / (number of nonzero rewards in the batch)
+`process_advantages` gives the per-token advantages of DeepSeekMath's process supervision from
+step rewards; `zero_std_groups`, `degenerate_fractions` and `zero_advantage_fractions` count
+the groups and tokens without a policy gradient. verl's estimators that need more than the
+(B, G) rewards, and GDPO, are in `core.verl_estimators`; the KL in the reward (verl's
+``use_kl_in_reward``) is `core.kl.kl_in_reward`.
 
-Conventions for "grpo" follow TRL's ``GRPOTrainer``: ``std`` is Bessel-corrected
-(``torch.std``), ``eps = 1e-4`` is added to the std (outside the square root),
-and ``scale_rewards`` picks the std: "group" (one per group), "batch" (one over
-all rewards of the batch, while the means stay per group) or "none" (no
-division, i.e. "dr_grpo"). The book also uses the population std
-(``unbiased_std=False``), which maps a two-completion group with rewards {1, 0}
-to about +-1 instead of +-0.707. verl also uses ``torch.std`` but its epsilon is
-1e-6.
-
-"grpo", "dr_grpo", "rloo" and "softmax" are zero-sum within each group.
-
-verl's estimators (``algorithm.adv_estimator``; volcengine/verl,
-``verl/trainer/ppo/core_algos.py``, read at commit b178a3c, January 2026)
---------------------------------------------------------------------------------------
-grpo_passk: ``compute_grpo_passk_outcome_advantage``; Tang et al., *Optimizing Language Models
-    for Inference Time Objectives using Reinforcement Learning* (arXiv 2503.19595, 2025). The
-    baseline of completion i is the best reward of the *others*, max_{j != i} r_j, so
-    sum_i A_i s_i is an unbiased estimate of grad E[max_i r_i] = grad pass@G for binary rewards
-    (without the std). Ties at the top give 0 to everyone.
-reinforce_plus_plus_baseline: ``compute_reinforce_plus_plus_baseline_outcome_advantage``; Hu,
-    *REINFORCE++* (arXiv 2501.03262, 2025). verl whitens over the batch's *tokens*
-    (``masked_whiten``: mean and Bessel-corrected variance, then (x - mean) / sqrt(var + 1e-8)),
-    so completion i weighs L_i and Bessel's count is the number of tokens. This function whitens
-    the (B, G) rewards, each completion once, as they carry no lengths; with N completions all of
-    length L verl's is this times sqrt((N L - 1) / (L (N - 1)))
-    (tests/core/test_verl_equivalence.py).
-gpg: ``compute_gpg_outcome_advantage``; Chu et al., *GPG: A Simple and Strong Reinforcement
-    Learning Baseline for Model Reasoning* (arXiv 2504.02546, 2025). verl's alpha is
-    B G / count_nonzero(rewards) over the batch (for binary rewards: over the number of correct
-    completions); the paper writes alpha = B / (B - M) with M the samples whose group has zero
-    advantage. This function follows verl; its f_norm is 1 (verl computes the std, unused).
-Both "reinforce_plus_plus_baseline" and "gpg" couple the groups of a batch (`BATCH_METHODS`).
-
-Sibling functions cover the estimators that need more than the (B, G) rewards:
-`process_advantages` (step rewards: process supervision), `opo_advantages` (lengths),
-`remax_advantages` (the greedy completion's reward), `reinforce_plus_plus_advantages`
-(token-level rewards), `optimal_token_baseline_advantages` (token probabilities) and
-`gdpo_advantages` (one reward per reward function). The KL in the reward (verl's
-``use_kl_in_reward``) is `grpo_companion.core.kl.kl_in_reward`.
+Chapters: :doc:`/book/02_group_baseline` (GRPO's baseline), :doc:`/book/09_advantage_zoo`
 """
 
 import torch
@@ -73,7 +35,7 @@ _NEEDS_GROUP = (
 # Methods whose advantages depend on the other groups of the batch too.
 BATCH_METHODS = ("reinforce_plus_plus_baseline", "gpg")
 # verl's masked_whiten adds this to the variance.
-_WHITEN_EPS = 1e-8
+WHITEN_EPS = 1e-8
 
 
 def group_advantages(
@@ -90,15 +52,36 @@ def group_advantages(
 
     Chapter: :doc:`/book/02_group_baseline`
 
+        grpo     A_i = (r_i - mean(r)) / (std(r) + eps)
+        dr_grpo  A_i = r_i - mean(r)
+        rloo     A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean(r))
+        sign     A_i = 2 r_i - 1 for r_i in {0, 1}, else +1 if r_i > threshold else -1
+        softmax  A_i = G * softmax(r / temperature)_i - 1
+        grpo_passk  only the best completion of the group gets r_max - r_second_max (divided by
+                 the group's std + eps when scale_rewards="group"), every other one 0
+        reinforce_plus_plus_baseline  r_i - mean(r), then whitened over the whole batch
+        gpg      alpha * (r_i - mean(r)), alpha = (B G) / (number of nonzero rewards in the batch)
+
+    "grpo", "dr_grpo", "rloo" and "softmax" are zero-sum within each group. The last three are
+    verl's (``algorithm.adv_estimator``, ``verl/trainer/ppo/core_algos.py``). grpo_passk (Tang
+    et al., arXiv 2503.19595): the baseline of completion i is max_{j != i} r_j, so without the
+    std sum_i A_i s_i estimates grad pass@G for binary rewards; ties at the top give 0 to all.
+    reinforce_plus_plus_baseline: verl whitens over the batch's *tokens* (``masked_whiten``), so
+    completion i weighs L_i; here each completion counts once, as the rewards carry no lengths:
+    with N completions all of length L verl's is this times sqrt((N L - 1) / (L (N - 1)))
+    (tests/core/test_verl_equivalence.py). gpg: verl's alpha; the paper (Chu et al., arXiv
+    2504.02546) writes alpha = B / (B - M), M the samples whose group has zero advantage.
+
     Args:
         rewards: (num_groups, group_size) floating point, one row per prompt.
-        method: one of ``METHODS`` (see the module docstring).
+        method: one of ``METHODS`` (above).
         scale_rewards: "group", "batch" or "none" (or TRL's True / False for "group" /
             "none"); used by "grpo" and "grpo_passk" ("group" is verl's
             ``norm_adv_by_std_in_grpo=True``; "batch" is not allowed there).
         eps: added to the std before dividing ("grpo", "grpo_passk"). TRL: 1e-4, verl: 1e-6.
         unbiased_std: Bessel-corrected std (TRL, verl) if True, population
-            std if False ("grpo" only).
+            std if False ("grpo" only), which maps a two-completion group with rewards
+            {1, 0} to about +-1 instead of +-0.707.
         threshold: for "sign" with non-binary rewards, A = +1 where
             r > threshold and -1 elsewhere.
         temperature: for "softmax", must be > 0. As temperature -> inf the
@@ -147,7 +130,7 @@ def group_advantages(
     if method == "reinforce_plus_plus_baseline":
         if centered.numel() < 2:
             raise ValueError("whitening over the batch needs at least 2 rewards")
-        return (centered - centered.mean()) / (centered.var() + _WHITEN_EPS).sqrt()
+        return (centered - centered.mean()) / (centered.var() + WHITEN_EPS).sqrt()
     if method == "gpg":
         return rewards.numel() / max(int(torch.count_nonzero(rewards)), 1) * centered
     if method == "dr_grpo" or scale_rewards == "none":
@@ -325,149 +308,3 @@ def zero_advantage_fractions(
         "rollouts": zero_rollouts.mean().item(),
         "tokens": (zero_tokens / mask.sum().clamp(min=1)).item(),
     }
-
-
-def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
-    """OPO's length-weighted group baseline: A_i = r_i - sum_j L_j r_j / sum_j L_j (j over the
-    group, i included).
-
-    verl ``compute_opo_outcome_advantage``; Hao et al., *On-Policy RL with Optimal Reward
-    Baseline* (arXiv 2505.23585, 2025). It is the optimal constant baseline
-    b* = E[||s||^2 r] / E[||s||^2] (chapter 8) with ||s||^2 replaced by the length L, its proxy
-    when the tokens' scores are of similar size; with equal lengths it is the group mean
-    ("dr_grpo").
-
-    Args: rewards, lengths: (num_groups, G), lengths > 0 (tokens per completion).
-    Returns: advantages (num_groups, G).
-    """
-    check_rewards(rewards)
-    if lengths.shape != rewards.shape or not (lengths > 0).all():
-        raise ValueError(
-            f"lengths must be positive with shape {tuple(rewards.shape)}, got "
-            f"{tuple(lengths.shape)}"
-        )
-    lengths = lengths.to(rewards.dtype)
-    baseline = (lengths * rewards).sum(dim=1, keepdim=True) / lengths.sum(dim=1, keepdim=True)
-    return rewards - baseline
-
-
-def remax_advantages(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
-    """ReMax: A_i = r_i - r(greedy completion of the same prompt).
-
-    verl ``compute_remax_outcome_advantage``; Li et al., *ReMax: A Simple, Effective, and
-    Efficient Reinforcement Learning Method for Aligning Large Language Models* (arXiv
-    2310.10505, 2023). The baseline costs one extra greedy rollout per prompt and does not depend
-    on the sampled completions, so the estimator is unbiased at every G, G = 1 included.
-
-    Args: rewards (num_groups, G); greedy_rewards (num_groups,).
-    Returns: advantages (num_groups, G).
-    """
-    check_rewards(rewards)
-    if greedy_rewards.shape != rewards.shape[:1]:
-        raise ValueError(
-            f"greedy_rewards must have shape {tuple(rewards.shape[:1])}, got "
-            f"{tuple(greedy_rewards.shape)}"
-        )
-    return rewards - greedy_rewards[:, None].to(rewards.dtype)
-
-
-def reinforce_plus_plus_advantages(
-    token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: the discounted return-to-go of each token, whitened over the batch's tokens.
-
-    verl ``compute_reinforce_plus_plus_outcome_advantage`` (with ``masked_whiten``: mean and
-    Bessel-corrected variance over the valid tokens, (x - mean) / sqrt(var + 1e-8)); Hu,
-    *REINFORCE++* (arXiv 2501.03262, 2025). There is no group baseline: the batch mean of the
-    returns is a baseline shared by every prompt, and the batch std a common scale. verl 0.9.1
-    carries the return across masked tokens inside a completion (a multi-turn rollout's tool
-    output) as if they were absent; here it stops there, as at padding: the two agree when the
-    padding is at the end only.
-
-    Args:
-        token_rewards: (..., T), e.g. the outcome reward on each completion's last token.
-        response_mask: (..., T), 1 on valid tokens, 0 on padding.
-        gamma: discount; the return does not flow back through padding.
-
-    Returns: (advantages, returns), each (..., T), zero on padding.
-    """
-    mask = response_mask.to(token_rewards.dtype)
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[..., 0])
-    for t in reversed(range(token_rewards.shape[-1])):
-        running = token_rewards[..., t] + gamma * running
-        returns[..., t] = running
-        running = running * mask[..., t]
-    count = mask.sum()
-    if count < 2:
-        raise ValueError("whitening over the batch needs at least 2 valid tokens")
-    mean = (returns * mask).sum() / (count + _WHITEN_EPS)
-    variance = ((returns - mean) ** 2 * mask).sum() / (count + _WHITEN_EPS) * count / (count - 1)
-    return (returns - mean) * (variance + _WHITEN_EPS).rsqrt() * mask, returns
-
-
-def optimal_token_baseline_advantages(
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    token_probs: Tensor,
-    sum_pi_squared: Tensor,
-    eps: float = 1e-8,
-) -> tuple[Tensor, Tensor]:
-    """verl's optimal token baseline (OTB): one baseline per group and position t,
-
-        B_t = sum_i R_it W_it / sum_i W_it,   W_it = sum_{j <= t} (1 - 2 pi_ij + sum_a pi_ij(a)^2),
-
-    A_it = R_it - B_t, with R the return-to-go. 1 - 2 pi(y_j) + sum_a pi(a)^2 is the squared norm
-    of a tabular softmax's token score (chapter 8, section 1), so W_it is the squared score norm of
-    the first t tokens and, for an outcome reward, B_T at the last position is the group's estimate
-    of chapter 8's b* = E[||s||^2 r] / E[||s||^2]. The group includes completion i itself.
-
-    verl ``compute_optimal_token_baseline_advantage`` (no paper cited there), without its
-    rollout importance weights and ``handle_zero_tail``; a group of one gets baseline 0. (Past
-    the second-longest completion of a group the longest is alone and B_t is its own return, so
-    A ~ 0 there, as the formula gives; verl's default ``handle_zero_tail`` sets B_t = 0 instead.)
-
-    Args:
-        token_rewards, response_mask: (num_groups, G, T).
-        token_probs: (num_groups, G, T), pi of each sampled token (verl: exp(old_log_probs)).
-        sum_pi_squared: (num_groups, G, T), sum over the vocabulary of pi(a)^2 at each position.
-
-    Returns: (advantages, returns), each (num_groups, G, T), zero on padding.
-    """
-    mask = response_mask.to(token_rewards.dtype)
-    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
-    weights = ((1 - 2 * token_probs + sum_pi_squared) * mask).cumsum(-1) * mask
-    baseline = (returns * weights).sum(dim=1, keepdim=True) / (
-        weights.sum(dim=1, keepdim=True) + eps
-    )
-    if token_rewards.shape[1] == 1:
-        baseline = torch.zeros_like(baseline)
-    return (returns - baseline) * mask, returns
-
-
-def gdpo_advantages(
-    rewards: Tensor, reward_weights: Tensor | None = None, *, eps: float = 1e-4
-) -> Tensor:
-    """GDPO: each reward function normalised within the group, then summed, then over the batch.
-
-    A_i = whiten_batch(sum_k w_k (r_ik - mean_group r_k) / (std_group r_k + eps)), whiten_batch(s)
-    = (s - mean s) / (std s + eps) over every completion (Bessel stds). TRL's
-    ``multi_objective_aggregation="normalize_then_sum"`` with ``reward_weights`` (its default,
-    "sum_then_normalize", is `group_advantages` of sum_k w_k r_k). verl's ``gdpo`` uses eps
-    1e-6 and whitens over the tokens (``masked_whiten``). rewards: (num_groups, G, K);
-    reward_weights: (K,), default ones. Returns (num_groups, G).
-    Chapter: :doc:`/book/variants`
-    """
-    if rewards.dim() != 3:
-        raise ValueError(
-            f"rewards must be (num_groups, group_size, num_rewards), got {tuple(rewards.shape)}"
-        )
-    check_rewards(rewards.flatten(1))
-    if rewards.shape[1] < 2:
-        raise ValueError(f"GDPO needs group_size >= 2, got rewards {tuple(rewards.shape)}")
-    if reward_weights is None:
-        reward_weights = torch.ones(rewards.shape[-1], dtype=rewards.dtype)
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    normalised = centred / (rewards.std(dim=1, keepdim=True) + eps)
-    summed = (normalised * reward_weights.to(rewards)).sum(dim=-1)
-    return (summed - summed.mean()) / (summed.std() + eps)

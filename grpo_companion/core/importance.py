@@ -2,36 +2,19 @@ r"""Importance-sampling corrections for rollouts from a sampler that is not the 
 
 A fast inference engine (vLLM in bf16, with top-p) samples the completions from a policy
 pi_samp that differs from the policy pi the trainer differentiates. Per sampled token the
-trainer knows both log-probabilities, and every correction below is a weight u on the token's
-term of the loss, computed from the per-token log-ratios
+trainer knows both log-probabilities, and every correction here is a weight u on the token's
+term of the loss, computed from the per-token log-ratios log pi - log pi_samp, (B, T), and the
+completion mask (B, T). The sequence ratio is the product of the token ratios, in TRL and in
+verl alike; verl's "geometric" statistic is the mean log-ratio instead. Weights are constants
+of the loss (computed without gradient in both libraries).
 
-    log_ratio[i, t] = log pi(o_it | s_it) - log pi_samp(o_it | s_it),   (B, T),
-
-and the completion mask (B, T). The sequence ratio is the product of the token ratios,
-exp(sum_t log_ratio), in TRL and in verl alike; verl's "geometric" statistic is the mean log-ratio
-instead. Weights are constants of the loss (computed without gradient in both libraries).
-
-TRL 1.16.0, ``GRPOConfig.vllm_importance_sampling_*`` (computed in
-``GRPOTrainer._generate_and_score_completions``):
-
-    token_truncate     u_t = clamp(rho_t, C_min, C_max)
-    token_mask         u_t = rho_t if C_min <= rho_t <= C_max, else 0
-    sequence_truncate  u_t = clamp(rho(y), C_min, C_max) at every token of y
-    sequence_mask      u_t = rho(y) if C_min <= rho(y) <= C_max, else 0   (the default, C_max = 3)
-
-where a missing bound is no bound. The weight multiplies the per-token policy loss; the mask of
-the loss, and so its normaliser, is unchanged. ``token_mask`` with both bounds is IcePop.
-
-verl 0.9.1, ``algorithm.rollout_correction`` (``verl/trainer/ppo/rollout_corr_helper.py``):
-``rollout_is`` ("token" or "sequence") weights like TRL's truncate modes from above only
-(``rollout_is_threshold`` = C) or zeroes the weights outside [lower, upper] (a "lower_upper"
-threshold: IcePop); ``rollout_rs`` rejects tokens or whole sequences by a divergence statistic
-and removes them from the response mask, so they leave the token-mean normaliser too
-(`rollout_rejection_mask`).
-
-The samplers of the book's exact analysis are pure functions on logits: a temperature (divide
-the logits), `top_p_log_probs` (vLLM's and transformers' nucleus, renormalised) and
-`round_logits` (a bf16-like rounding of the logits).
+TRL 1.16.0's ``GRPOConfig.vllm_importance_sampling_*`` weights are `vllm_importance_weights`.
+verl 0.9.1's ``algorithm.rollout_correction`` (``verl/trainer/ppo/rollout_corr_helper.py``)
+weights with `rollout_is_weights` (``rollout_is``) and rejects tokens or whole sequences with
+`rollout_rejection_mask` (``rollout_rs``), which removes them from the response mask, so they
+leave the token-mean normaliser too. The samplers of the book's exact analysis are pure
+functions on logits: a temperature (divide the logits), `top_p_log_probs` (vLLM's and
+transformers' nucleus, renormalised) and `round_logits` (a bf16-like rounding of the logits).
 
 The ratio of the trainer's own loss, rho = pi / pi_old against the policy that sampled the batch,
 per token or GSPO's per sequence, is `log_importance_weights` (chapter 3); unlike the weights
@@ -125,8 +108,17 @@ def vllm_importance_weights(
 
     TRL 1.16.0's ``vllm_importance_sampling_mode``, ``_clip_max`` (default 3.0; the deprecated
     ``vllm_importance_sampling_cap``) and ``_clip_min``; `log_ratio` = log pi - log pi_samp.
-    As TRL: the log-ratios are masked, a NaN sampling log-prob gives ratio 1, the sequence ratio
-    is the product of the token ratios. Derivation: :doc:`/book/13_mismatch`.
+    As TRL (``GRPOTrainer._generate_and_score_completions``): the log-ratios are masked, a NaN
+    sampling log-prob gives ratio 1, the sequence ratio is the product of the token ratios::
+
+        token_truncate     u_t = clamp(rho_t, C_min, C_max)
+        token_mask         u_t = rho_t if C_min <= rho_t <= C_max, else 0
+        sequence_truncate  u_t = clamp(rho(y), C_min, C_max) at every token of y
+        sequence_mask      u_t = rho(y) if C_min <= rho(y) <= C_max, else 0   (the default)
+
+    where a missing bound is no bound; ``token_mask`` with both bounds is IcePop. The weight
+    multiplies the per-token policy loss; the loss's mask, and so its normaliser, is unchanged.
+    Derivation: :doc:`/book/13_mismatch`.
     """
     if mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {VLLM_IMPORTANCE_SAMPLING_MODES}")

@@ -1,7 +1,7 @@
 r"""Per-token GRPO loss, and the policy-loss variants of TRL and verl.
 
 For completion i with tokens t = 1..L_i, sampled from pi_old, the ratio is
-rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t) and the per-token loss is
+rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t) and the per-token loss is::
 
     l_it = -min(rho_it A_i, clip(rho_it, 1 - epsilon, 1 + epsilon_high) A_i)
            + beta * KL_it(pi || pi_ref)
@@ -10,35 +10,16 @@ where A_i is the sequence's advantage (see ``advantages.py``) and KL_it is a per
 estimate of the KL divergence (see ``kl.py``). Every loss also takes per-token advantages A_it,
 shape (batch, seq_len) instead of (batch,), as process supervision gives them
 (``advantages.process_advantages``); A_i broadcast over the tokens gives the same loss and
-gradient as A_i itself. (TRL's trainer has per-sequence advantages only.) ``aggregate`` then
-reduces the (batch, seq_len) tensor to a scalar; the choice of normaliser (``loss_type``)
-decides how much each token weighs:
-
-    loss_type     normaliser                               verl loss_agg_mode
-    grpo, sapo    1/B sum_i 1/L_i sum_t l_it               "seq-mean-token-mean"
-    dr_grpo       1/(B L_max) sum_i sum_t l_it             "seq-mean-token-sum-norm"
-    bnpo          1/(sum_i L_i) sum_it l_it, per micro-batch, averaged over the micro-batches
-                                                           "token-mean" (legacy dp_actor)
-    dapo, cispo,  1/(sum_i L_i) sum_it l_it over the whole "token-mean" (global token count)
-      vespo       batch of rollouts
-    luspo         1/B sum_i sum_t l_it                     "seq-mean-token-sum"
-    length_alpha  1/B sum_i f_alpha(L_i) sum_t l_it,  f_alpha(L) = L^(alpha - 1)
-                  (alpha = 0: grpo; alpha = 1: luspo, verl's "seq-mean-token-sum")
-
-On one batch, bnpo and dapo are the same formula; they differ only in the trainer, when the batch
-is split into micro-batches (``lm/trainer.py``): TRL's "bnpo" divides each micro-batch by its own
-token count and averages the micro-batches, as verl's "token-mean" does on its legacy worker
-(``loss / gradient_accumulation``, without ``use_dynamic_bsz``); TRL's "dapo" divides by the
-token count of the whole batch, as verl's "token-mean" does where it is passed the global
-batch's token count. verl 0.9.1's
-"seq-mean-token-sum-norm" is sum_it l_it / (B L_max), with L_max the response width
-(``loss_mask.shape[-1]``, or verl's ``loss_scale_factor``): our (and TRL's) "dr_grpo"
-(tests/core/test_verl_equivalence.py); earlier verl divided by L_max only, B times "dr_grpo".
+gradient as A_i itself. (TRL's trainer has per-sequence advantages only.) `aggregate` then
+reduces the (batch, seq_len) tensor to a scalar; its ``loss_type`` picks the normaliser, which
+decides how much each token weighs (its docstring, with verl's ``loss_agg_mode`` for each).
 
 Names follow TRL's ``GRPOConfig`` (``beta``, ``epsilon``, ``epsilon_high``, ``delta``,
 ``loss_type``, ``max_completion_length``, ``importance_sampling_level``, ``sapo_temperature_*``,
 ``vespo_*``, ``off_policy_mask_threshold``, ``use_bias_correction_kl``); TRL 1.16.0's
 ``GRPOTrainer._compute_loss`` is the source of each variant's formula (see ``policy_loss``).
+
+Chapter: :doc:`/book/03_grpo_loss`
 """
 
 import math
@@ -227,14 +208,21 @@ def aggregate(
 
     With L_i the number of unmasked tokens of sequence i and B the batch size:
 
-    - "grpo", "sapo": 1/B sum_i (1/L_i) sum_t l_it. TRL clamps L_i at 1; we raise on
-      an empty sequence instead, as it is almost always a bug in the mask, unless
-      ``allow_empty`` (TRL's ``mask_truncated_completions`` empties the truncated ones). An
-      empty row counts in B, as in TRL; verl's "seq-mean" modes leave it out of B.
+    - "grpo", "sapo": 1/B sum_i (1/L_i) sum_t l_it (verl's "seq-mean-token-mean"). TRL
+      clamps L_i at 1; we raise on an empty sequence instead, as it is almost always a bug in
+      the mask, unless ``allow_empty`` (TRL's ``mask_truncated_completions`` empties the
+      truncated ones). An empty row counts in B, as in TRL; verl's "seq-mean" modes leave it
+      out of B.
     - "dr_grpo": sum_it l_it / (B * max_completion_length), with
-      max_completion_length defaulting to seq_len.
-    - "bnpo", "dapo", "cispo", "vespo": sum_it l_it / sum_i L_i. On one batch they agree; the
-      trainer's micro-batches tell them apart (module docstring).
+      max_completion_length defaulting to seq_len: verl 0.9.1's "seq-mean-token-sum-norm",
+      whose L_max is the response width (``loss_mask.shape[-1]``, or ``loss_scale_factor``)
+      (tests/core/test_verl_equivalence.py); earlier verl divided by L_max only, B times this.
+    - "bnpo", "dapo", "cispo", "vespo": sum_it l_it / sum_i L_i (verl's "token-mean"). On one
+      batch they agree; the trainer's micro-batches tell them apart: TRL's "bnpo" divides each
+      micro-batch by its own token count and averages the micro-batches, as verl's
+      "token-mean" does on its legacy worker (``loss / gradient_accumulation``, without
+      ``use_dynamic_bsz``); "dapo" (and "cispo", "vespo") divides by the token count of the
+      whole batch of rollouts, as verl's "token-mean" does given the global batch's count.
     - "luspo": sum_it l_it / B (verl's "seq-mean-token-sum").
     - "length_alpha": 1/B sum_i L_i^(alpha - 1) sum_t l_it. alpha = 0 gives
       "grpo"; alpha = 1 gives "luspo", which is "dr_grpo" times max_completion_length.

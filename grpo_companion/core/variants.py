@@ -15,7 +15,7 @@ is detached. With rho = pi / pi_old, a policy loss's gradient at a token is
     Clip-Cov, KL-Cov    PPO's clip, plus a covariance-picked subset of tokens
 
 TRL's ``top_entropy_quantile`` mask and the entropy bonus with its adaptive coefficient follow.
-Elsewhere: GDPO's per-reward normalisation is `grpo_companion.core.advantages.gdpo_advantages`;
+Elsewhere: GDPO's per-reward normalisation is `grpo_companion.core.verl_estimators.gdpo_advantages`;
 every KL quantity, TRL's bias-corrected KL and verl's KL modes and KL controller among them, is in
 `grpo_companion.core.kl`; and the importance weights of a sampler that is not the policy (TRL's
 ``vllm_importance_sampling_*``, verl's rollout correction) are in

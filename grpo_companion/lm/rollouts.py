@@ -1,4 +1,4 @@
-r"""Rollouts: G completions per prompt, and everything GRPO learns from them (chapter 4).
+r"""Rollouts: G completions per prompt, and everything GRPO learns from them.
 
 For each of B prompts we sample G = ``num_generations`` completions of at most
 ``max_completion_length`` tokens at ``temperature`` (TRL's names) and record, per rollout,
@@ -14,15 +14,15 @@ T <= max_completion_length is the longest completion of the batch; rollout i ans
 i // G. Tokens come from transformers' ``generate`` with the KV cache, prompts left-padded, and
 every logits processor that would reshape the distribution switched off (a checkpoint's
 ``generation_config.json`` or the default ``top_k=50`` would otherwise sample from something
-other than softmax(logits / temperature)); a built vLLM engine can sample instead on a GPU.
-``sampler="lean"`` samples the same tokens, bit for bit, with `sampler.lean_generate`, a decoding
-loop written for Llama models that drops finished rows (about a third less time on this CPU;
-benchmarks/floor.py); ``"generate"`` stays the default.
-The log-probs come from a teacher-forced pass, `scoring.sequence_log_probs`, the function the
-trainer differentiates, not from ``generate``'s scores, whose KV-cache path rounds differently;
+other than softmax(logits / temperature)); `sampler.lean_generate` samples the same tokens, bit
+for bit, for a Llama, and a built vLLM engine can sample instead on a GPU. The log-probs come
+from a teacher-forced pass, `scoring.sequence_log_probs`, the function the trainer
+differentiates, not from ``generate``'s scores, whose KV-cache path rounds differently;
 ``compute_log_probs=False`` skips that pass where pi_old's log-probs are not needed. With
 ``top_p < 1`` the sampler renormalises over the nucleus while, like TRL and vLLM, the log-probs
 stay those of the untruncated tempered softmax.
+
+Chapter: :doc:`/book/04_testbed` (section 2)
 """
 
 import copy
@@ -131,9 +131,10 @@ def generate_rollouts(
             ``generate``. Log-probs are recomputed with ``model`` either way.
         compute_log_probs: False skips the teacher-forced log-prob pass; ``log_probs`` is
             then None.
-        sampler: "generate" (`generate_groups`), "lean" (`sampler.lean_generate`, Llama
-            models) or "auto" (lean where `sampler.supports` the model): the same tokens under
-            the same seed.
+        sampler: "generate" (`generate_groups`), "lean" (`sampler.lean_generate`, a decoding
+            loop for Llama models that drops finished rows: about a third less time on this
+            CPU, benchmarks/floor.py) or "auto" (lean where `sampler.supports` the model): the
+            same tokens under the same seed.
 
     Returns:
         Rollouts with B * num_generations rows.

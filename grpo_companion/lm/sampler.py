@@ -11,21 +11,13 @@ values written into a preallocated buffer, `scaled_dot_product_attention` over i
 columns with the padding mask, as transformers' sdpa path does) over the rows still running: a
 row leaves the batch at its EOS, a row from the bottom taking its place in the buffers.
 
-Why the tokens are `generate`'s, bit for bit (on CPU; tests/lm/test_sampler.py):
+The tokens are `generate`'s, bit for bit, on CPU (tests/lm/test_sampler.py): the prompt goes
+through transformers' forward as `generate_groups` sends it (`lean_generate`); a row's logits
+do not depend on the other rows of the batch (`_ROW_BLOCK`); and the same warpers and
+multinomial draw as `generate` pick the tokens (`next_tokens`). The configuration is one
+`rollouts.sampling_config` builds: no processor but these three (temperature, top-k, top-p) on.
 
-- the prompt goes through transformers' forward as `generate_groups` sends it: all but its last
-  token once per prompt when G > 1, the whole prompt on every row when G = 1;
-- a row's logits do not depend on the other rows of the batch: a step runs a multiple of four
-  rows (finished rows ride along as passengers to make up the count), since a matrix product
-  gives a row other bits when it falls in a block of one to three rows (other kernels; on two
-  threads the rows are split between them in blocks of four);
-- the same warpers as `generate` (temperature, top-k, top-p, in its order) and softmax, then one
-  `torch.multinomial` call a step on an (all rows x vocabulary) matrix whose finished rows hold a
-  placeholder. On CPU multinomial draws one Exp(1) per entry and takes each row's argmax of
-  p / Exp: the random numbers it consumes and each row's token depend on the matrix's shape and
-  that row alone, as in `generate`, which draws for every row every step.
-
-The configuration is one `rollouts.sampling_config` builds: no processor but these three on.
+Chapter: :doc:`/book/04_testbed`
 """
 
 import torch
@@ -54,7 +46,9 @@ _OFF = {
     "suppress_tokens": (None,),
 }
 # A step runs a multiple of this many rows (or all of them): products over one to three rows
-# round differently from those over blocks of four on this CPU, and `generate` runs every row.
+# round differently from those over blocks of four on this CPU (other kernels; on two threads
+# the rows are split between them in blocks of four), and `generate` runs every row. Finished
+# rows ride along as passengers to make up the count (`_rows_to_keep`).
 _ROW_BLOCK = 4
 
 
@@ -64,7 +58,10 @@ def lean_generate(
 ) -> Tensor:
     """(n * K, T) continuations of the left-padded rows of `input_ids: (n, P)`, K =
     ``config.num_return_sequences``: `generate_groups`' tokens, padding after each row's EOS,
-    T the steps until every row stopped or ``config.max_new_tokens``."""
+    T the steps until every row stopped or ``config.max_new_tokens``.
+
+    The prompt goes through transformers' forward as `generate_groups` sends it: all but its
+    last token once per prompt when K > 1, the whole prompt on every row when K = 1."""
     _check_supported(model, config)
     repeats, new = config.num_return_sequences or 1, config.max_new_tokens
     num_rows, width = input_ids.shape[0] * repeats, input_ids.shape[1]
@@ -149,8 +146,13 @@ def _attention(attn, x, cos, sin, keys: Tensor, values: Tensor, mask: Tensor, co
 
 def next_tokens(logits: Tensor, warpers: list, do_sample: bool, rows: Tensor, num_rows: int):
     """(n,) next tokens of the batch's rows: the argmax, or one multinomial draw from the warped
-    softmax placed in a (num_rows, V) matrix at `rows`, ones elsewhere (the module docstring
-    says why the random numbers and each row's token are then `generate`'s)."""
+    softmax placed in a (num_rows, V) matrix at `rows`, ones elsewhere.
+
+    The warpers are `generate`'s (temperature, top-k, top-p, in its order), then softmax and one
+    `torch.multinomial` call a step on the (all rows x vocabulary) matrix, whose finished rows
+    hold a placeholder. On CPU multinomial draws one Exp(1) per entry and takes each row's argmax
+    of p / Exp: the random numbers it consumes and each row's token depend on the matrix's shape
+    and that row alone, as in `generate`, which draws for every row every step."""
     scores = logits
     for warper in warpers:
         scores = warper(None, scores)

@@ -10,8 +10,9 @@ run is outside the claim's regime, its reference arm did not learn: the reason n
 `qualitatively` check holds; "not reproduced" only when a `contradicted` check holds; and
 "inconclusive" otherwise (neither supported nor contradicted). A claim whose thresholds compare
 with an effect size names the recorded `prediction` they come from. Each claim carries
-`examples` the rule must judge (tests/test_claims.py). A claim whose chapter has no results,
-failed in its last run, or lacks a key or figure the claim names raises a one-line `ClaimError`.
+`examples` the rule must judge (tests/machinery/test_claims.py). A claim whose chapter has no
+results, failed in its last run, or lacks a key or figure the claim names raises a one-line
+`ClaimError`.
 """
 
 import json

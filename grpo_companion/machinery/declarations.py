@@ -2,10 +2,10 @@
 figure names (`figures`), one table per chapter.
 
 The pipeline fails a chapter whose results differ from its declaration, and
-`tests/test_claims.py` checks every claim of the ledger against the declarations without running
-a chapter, so a renamed key fails in seconds. A plain name must be recorded; a glob pattern
-(`grpo_reward_first_*`) declares a family of names that depends on the run (one per model of the
-profile, say), of which the run may record any number.
+`tests/machinery/test_claims.py` checks every claim of the ledger against the declarations
+without running a chapter, so a renamed key fails in seconds. A plain name must be recorded; a
+glob pattern (`grpo_reward_first_*`) declares a family of names that depends on the run (one
+per model of the profile, say), of which the run may record any number.
 """
 
 import tomllib

@@ -22,7 +22,7 @@ OPERATORS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operat
 def _config(name: str):
     """The config class a dict parameter is built into (imported late: only when checked)."""
     if name == "GRPOConfig":
-        from grpo_companion.lm.trainer import GRPOConfig
+        from grpo_companion.lm.config import GRPOConfig
 
         return GRPOConfig
     if name == "TinyLlamaSpec":

@@ -22,11 +22,11 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo_companion.chapters.advantage_zoo.zoo import TwoLengthToy
+from grpo_companion.chapters.advantage_zoo.length import TwoLengthToy
 from grpo_companion.chapters.baselines.optimal import baseline_cases, baseline_gap
 from grpo_companion.chapters.credit import exact as credit_exact
 from grpo_companion.chapters.group_baseline.exact import prompt_weights
-from grpo_companion.chapters.group_size.ustatistic import (
+from grpo_companion.chapters.group_size.budget import (
     best_group_sizes,
     rloo_best_group_size,
     rloo_best_group_size_table,

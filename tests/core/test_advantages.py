@@ -255,7 +255,7 @@ def test_passk_ties_at_the_top_give_nothing():
 
 
 def test_opo_and_remax_hand_computed():
-    from grpo_companion.core.advantages import opo_advantages, remax_advantages
+    from grpo_companion.core.verl_estimators import opo_advantages, remax_advantages
 
     rewards = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64)
     lengths = torch.tensor([[10, 30, 20]])
@@ -274,7 +274,7 @@ def test_opo_and_remax_hand_computed():
 
 
 def test_reinforce_plus_plus_returns_and_whitening():
-    from grpo_companion.core.advantages import reinforce_plus_plus_advantages
+    from grpo_companion.core.verl_estimators import reinforce_plus_plus_advantages
 
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -290,7 +290,7 @@ def test_reinforce_plus_plus_returns_and_whitening():
 
 
 def test_optimal_token_baseline_hand_computed():
-    from grpo_companion.core.advantages import optimal_token_baseline_advantages
+    from grpo_companion.core.verl_estimators import optimal_token_baseline_advantages
 
     # one group of two completions of 2 tokens, outcome reward on the last token
     token_rewards = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]], dtype=torch.float64)

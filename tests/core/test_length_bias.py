@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.chapters.advantage_zoo.zoo import (
+from grpo_companion.chapters.advantage_zoo.length import (
     TwoLengthToy,
     length_alpha_choices,
     length_summary,

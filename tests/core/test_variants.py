@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_companion.core.advantages import gdpo_advantages, group_advantages
+from grpo_companion.core.advantages import group_advantages
 from grpo_companion.core.importance import vllm_importance_weights
 from grpo_companion.core.kl import (
     adaptive_kl_coef,
@@ -48,6 +48,7 @@ from grpo_companion.core.variants import (
     token_covariance,
     weighted_reinforce_surrogate,
 )
+from grpo_companion.core.verl_estimators import gdpo_advantages
 
 # transformers 5 renamed gradient checkpointing, which TRL 1.16's GRPOConfig still sets.
 pytestmark = pytest.mark.filterwarnings(

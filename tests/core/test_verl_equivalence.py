@@ -32,8 +32,8 @@ import torch
 from verl_stubs import import_core_algos
 
 from grpo_companion.core import kl, losses
-from grpo_companion.core.advantages import (
-    group_advantages,
+from grpo_companion.core.advantages import group_advantages
+from grpo_companion.core.verl_estimators import (
     opo_advantages,
     optimal_token_baseline_advantages,
     reinforce_plus_plus_advantages,

@@ -6,9 +6,10 @@ import copy
 import pytest
 import torch
 
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
 from grpo_companion.lm.parallel import map_runs
-from grpo_companion.lm.trainer import GRPOConfig, train
+from grpo_companion.lm.trainer import train
 
 CONFIG = GRPOConfig(
     num_generations=4,

@@ -14,10 +14,11 @@ from grpo_companion.core.advantages import (
 )
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.lm import trainer
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, gold_answer, load_gsm8k
 from grpo_companion.lm.rollouts import generate_rollouts
 from grpo_companion.lm.steps import rollout_step_rewards
-from grpo_companion.lm.trainer import METRICS, GRPOConfig, batch_indices, rollout_seed, train
+from grpo_companion.lm.trainer import METRICS, batch_indices, rollout_seed, train
 
 CONFIG = GRPOConfig(
     num_generations=4,

@@ -44,6 +44,7 @@ from trl import GRPOConfig as TRLConfig  # noqa: E402
 
 from grpo_companion.core.importance import vllm_importance_weights  # noqa: E402
 from grpo_companion.lm import trainer as our_trainer  # noqa: E402
+from grpo_companion.lm.config import GRPOConfig  # noqa: E402
 
 pytestmark = equivalence.pytestmark
 AMPLITUDE = 0.6  # nats: the sampler's log-prob differs from the policy's by up to this much
@@ -148,7 +149,7 @@ def run_trl(case: Case, model, tokenizer, batch, output_dir):
 
 
 def run_ours(case: Case, model, tokenizer, batch, sampling=perturbed_sampling_log_probs):
-    config = our_trainer.GRPOConfig(
+    config = GRPOConfig(
         num_generations=G, per_step_prompts=B, max_completion_length=MAX_LEN, temperature=1.0,
         use_bias_correction_kl=case.bias_correction_kl, loss_type=case.loss_type,
         beta=case.beta, epsilon=0.2, num_iterations=case.num_iterations,
@@ -295,11 +296,11 @@ def test_sampling_log_probs_are_the_nucleus_the_sampler_draws_from(random_tiny):
 )  # fmt: skip
 def test_config_checks(settings, message):
     with pytest.raises(ValueError, match=message):
-        our_trainer.GRPOConfig(**settings)
+        GRPOConfig(**settings)
 
 
 def test_off_by_default():
-    config = our_trainer.GRPOConfig()
+    config = GRPOConfig()
     assert config.vllm_importance_sampling_correction is False and config.top_p == 1.0
     # TRL's defaults for the rest, so that switching it on means what it means in TRL
     trls = TRLConfig(output_dir="unused", use_cpu=True, report_to=[])

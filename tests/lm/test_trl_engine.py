@@ -12,11 +12,12 @@ trl = pytest.importorskip("trl")
 
 from grpo_companion.core.spectra import gram_singular_values, rank_measures  # noqa: E402
 from grpo_companion.lm import trl_callback, trl_engine  # noqa: E402
+from grpo_companion.lm.config import GRPOConfig  # noqa: E402
 from grpo_companion.lm.gsm8k import load_gsm8k  # noqa: E402
 from grpo_companion.lm.models import ModelUnavailableError, load_policy  # noqa: E402
 from grpo_companion.lm.rollouts import generate_rollouts  # noqa: E402
 from grpo_companion.lm.streaming_gram import rollout_gram  # noqa: E402
-from grpo_companion.lm.trainer import METRICS, GRPOConfig, train  # noqa: E402
+from grpo_companion.lm.trainer import METRICS, train  # noqa: E402
 from grpo_companion.lm.trl_engine import RunSettingsError, check_run_settings  # noqa: E402
 
 pytestmark = [

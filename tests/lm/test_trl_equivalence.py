@@ -59,6 +59,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from grpo_companion.core.advantages import group_advantages  # noqa: E402
 from grpo_companion.lm import trainer as our_trainer  # noqa: E402
+from grpo_companion.lm.config import GRPOConfig  # noqa: E402
 from grpo_companion.lm.rollouts import Rollouts  # noqa: E402
 from grpo_companion.lm.scoring import sequence_log_probs  # noqa: E402
 
@@ -318,7 +319,7 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
 
 
 def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
-    config = our_trainer.GRPOConfig(
+    config = GRPOConfig(
         num_generations=G,
         per_step_prompts=B,
         max_completion_length=case.max_completion_length,
@@ -582,7 +583,7 @@ def test_multi_objective_aggregation_equals_gdpo_and_group_advantages(
     """Two reward functions, the fixed rewards and a length reward L / MAX_LEN, weighted 1 and
     0.5: TRL's advantages are `gdpo_advantages` of the two ("normalize_then_sum", GDPO) or
     `group_advantages` of their weighted sum ("sum_then_normalize", the default)."""
-    from grpo_companion.core.advantages import gdpo_advantages
+    from grpo_companion.core.verl_estimators import gdpo_advantages
 
     model, tokenizer = random_tiny
     batch = make_batch(tokenizer)

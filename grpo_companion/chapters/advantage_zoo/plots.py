@@ -9,6 +9,8 @@ others from the same computed curves and table.
 import matplotlib.pyplot as plt
 import numpy as np
 
+from grpo_companion.core.figures import legend_outside
+
 FIXED_STYLES = {
     "GRPO": {"color": "C0"},
     "Dr. GRPO": {"color": "C1"},
@@ -33,10 +35,6 @@ def zoo_styles(labels) -> dict[str, dict]:
         or {"color": SOFTMAX_COLORS[softmax.index(label) % len(SOFTMAX_COLORS)]}
         for label in labels
     }
-
-
-def legend_outside(ax):
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _selected(labels, methods) -> list:

@@ -1,81 +1,21 @@
-r"""Chapter 8: when is the group mean the best baseline?
+r"""The constant baselines of chapter 8: the optimal b* against the mean reward, the group's
+estimates of E[r], and where the KL penalty goes.
 
-The optimal constant baseline and the mean reward
--------------------------------------------------
-For one sample, g_b = (r - b) s with s = grad log pi has variance (chapter 1)
+For one sample's estimate g_b = (r - b) s, s = grad log pi, the constant baseline of least
+variance is b* = E[||s||^2 r] / E||s||^2, and b* - E[r] = Cov(||s||^2, r) / E||s||^2:
+`baseline_gap` measures the gap and what it costs on the cases of `baseline_cases`
+(`uncorrelated_reward` and `rank_reward` build a reward where it vanishes and rewards where it is
+large). `group_variances` gives the closed-form variances of the G-sample estimators with the
+baseline known (the oracles), left out (RLOO) or including the sample itself, which is
+(1 - 1/G) times RLOO in every group. `kl_placement` puts beta KL(pi || pi_ref) in the reward or
+in the loss and measures the expected update exactly. Everything is a sum over chapter 1's
+enumerable sequence policy (`grpo_companion.core.policy_gradient.SequencePolicy`). The
+per-token baselines and verl's are in `grpo_companion.chapters.baselines.tokens`, the figures in
+`grpo_companion.chapters.baselines.plots`.
 
-    Var[g_b] = E[(r - b)^2 ||s||^2] - ||grad J||^2,   minimised by  b* = E[||s||^2 r] / E[||s||^2].
-
-Writing E[||s||^2 r] = E||s||^2 E[r] + Cov(||s||^2, r) gives the gap exactly,
-
-    b* - E[r] = Cov(||s||^2, r) / E||s||^2,     Var[g_E[r]] - Var[g_b*] = E||s||^2 (b* - E[r])^2,
-
-so the mean reward, which GRPO's group mean estimates, is the optimal constant baseline if and
-only if the squared score norm is uncorrelated with the reward. It holds for every reward when
-||s||^2 is the same for every sequence (a uniform tabular policy), and for a reward built to be
-uncorrelated (`uncorrelated_reward`); it fails when right answers are rarer or likelier than the
-policy's typical sequence (`rank_reward`).
-
-Leave-one-out against mean-including-self
------------------------------------------
-With G i.i.d. samples, leave-one-out (RLOO) uses b_i = mean of the other G - 1 rewards:
-g = (1/G) sum_i (r_i - b_i) s_i. Write mu = E[r], d_j = r_j - mu. Then
-
-    g = (1/G) sum_i d_i s_i  -  1/(G (G - 1)) sum_{i != j} d_j s_i  =  X - Y.
-
-X is the oracle estimator with b = mu: E[X] = grad J, Var[X] = Var[g_mu] / G. Y has mean zero
-(s_i is independent of d_j and E[s] = 0) and is uncorrelated with X. In E||Y||^2 only the
-pairings (i, j) = (k, l) and (i, j) = (l, k) survive, contributing Var[r] E||s||^2 and
-E[d s] . E[d s] = ||grad J||^2 for each of the G (G - 1) pairs:
-
-    Var[g_rloo] = Var[g_mu] / G  +  (Var[r] E||s||^2 + ||grad J||^2) / (G (G - 1)).
-
-The mean-including-self baseline gives r_i - mean(r) = (1 - 1/G)(r_i - b_i) for every group, so
-g_mean = (1 - 1/G) g_rloo exactly: the same direction, variance (1 - 1/G)^2 Var[g_rloo], and a
-bias -grad J / G. Neither is better after an optimiser that normalises the step (Adam); with
-plain SGD the two differ only by a learning rate.
-
-Per-token baselines
--------------------
-The tabular policy's score is a sum of per-token scores s_t = grad log pi(y_t | y_<t) on disjoint
-parameters (step t owns rows (t, .)). A baseline per token that depends only on the prefix,
-b_t(y_<t), keeps the estimator g = sum_t (r - b_t(y_<t)) s_t unbiased, because
-E[s_t | y_<t] = 0. Disjoint blocks make ||g||^2 = sum_t (r - b_t)^2 ||s_t||^2, so each prefix has
-its own optimal baseline,
-
-    b_t*(h) = E[||s_t||^2 r | y_<t = h] / E[||s_t||^2 | y_<t = h],
-
-next to the value function V(h) = E[r | y_<t = h] that a critic (PPO) learns. Both are computed
-exactly here; an algorithm would have to estimate them.
-
-verl's baselines (`verl_baseline_table`)
-----------------------------------------
-ReMax subtracts the reward of the policy's greedy completion (`greedy_sequence`): a constant,
-so the estimator stays unbiased and its variance is Var[g_b] at b = r(greedy), a point on the
-same parabola; for a right-or-wrong reward b is 0 or 1, the far ends of it. verl's optimal token
-baseline (OTB) gives token t the baseline B_t = E[r W_t] / E[W_t] with W_t = sum_{j <= t}
-||s_j||^2, a constant per position (population version of
-`grpo_companion.core.advantages.optimal_token_baseline_advantages`); at the last token W_L =
-||s||^2 and B_L = b*. OPO's E[L r] / E[L] is E[r] here, where every sequence has L tokens.
-
-KL in the reward or in the loss (`kl_placement`)
-------------------------------------------------
-In the reward (verl's use_kl_in_reward, RLOO): r' = r - beta k1(y), k1 = log pi(y) - log
-pi_ref(y) detached, and the score-function update E[(r' - b) s] = grad J - beta E[k1 s] =
-grad J - beta grad KL(pi || pi_ref), because E[k1 s] = sum_y grad pi (log pi - log pi_ref) and
-sum_y pi grad log pi = 0. The baseline acts on the KL too: the group mean shrinks it by 1 - 1/G
-like the reward, and k1's spread multiplies ||s|| in the variance.
-In the loss (TRL, GRPO): the estimate k(y) = sum_t k(x_t), with x_t = log pi(y_t | .) -
-log pi_ref(y_t | .), is differentiated through log pi: grad k = sum_t k'(x_t) s_t, added after
-the baseline. For k1, k' = 1 and E[grad k1] = E[s] = 0: no expected gradient at all. For k3,
-k' = 1 - pi_ref / pi,
-E[grad k3] = -sum_t E_{y<t ~ pi}[sum_a pi_ref(a | .) grad log pi(a | .)]: the gradient of the
-per-token KL(pi_ref || pi) at the policy's own contexts, held fixed: the forward direction
-(chapter 3's name for it), and not the gradient of the sequence-level KL(pi || pi_ref). This is
-k3 without the ratio (TRL's use_bias_correction_kl=False); TRL 1.16's default multiplies k3 by
-pi / pi_old, whose gradient at pi = pi_old follows the per-token reverse KL(pi || pi_ref).
-The KL quantities are `grpo_companion.core.kl`'s: `kl_penalty`, `kl_in_reward`, `exact_kl` and
-the per-sequence gradients grad k(y), `kl_estimate_gradients`.
+Chapter: :doc:`/book/08_baselines` (section 1: the gap as a covariance; sections 2 and 3: where
+it holds, and leave-one-out against mean-including-self; section 6: the KL penalty in the reward
+or in the loss)
 """
 
 import torch
@@ -86,7 +26,6 @@ from grpo_companion.core.kl import exact_kl, kl_estimate_gradients, kl_in_reward
 from grpo_companion.core.policy_gradient import (
     SequencePolicy,
     estimator_variance,
-    exact_prefix_values,
     optimal_baseline,
     sum_mod_reward,
 )
@@ -164,7 +103,7 @@ def rank_reward(policy: SequencePolicy, logits: Tensor, num_rewarded: int, rares
 def group_variances(
     policy: SequencePolicy, logits: Tensor, rewards: Tensor, group_size: int
 ) -> dict[str, float]:
-    """Variances of G-sample gradient estimators, in closed form (module docstring).
+    """Variances of G-sample gradient estimators, in closed form (chapter 8, section 3).
 
     Returns oracle_optimal Var[g_b*] / G and oracle_mean Var[g_E[r]] / G (baselines known exactly),
     rloo (leave-one-out, unbiased), mean_self (mean including self, "dr_grpo") and
@@ -190,71 +129,6 @@ def group_variances(
         "mean_self": mean_self,
         "mean_self_mse": mean_self + squared_gradient_norm / group_size**2,
     }
-
-
-def _prefix_ids(policy: SequencePolicy, step: int) -> Tensor:
-    """Which prefix y_<step each sequence has, `(num_sequences,)`: sequences are numbered in
-    lexicographic order, so the prefix is the sequence number's leading base-V digits."""
-    return torch.arange(policy.num_sequences) // policy.vocab_size ** (policy.length - step)
-
-
-def _conditional_mean(policy: SequencePolicy, probs: Tensor, values: Tensor, step: int) -> Tensor:
-    """E[values | y_<step] evaluated at each sequence, `(num_sequences,)`."""
-    prefix = _prefix_ids(policy, step)
-    num_prefixes = policy.vocab_size**step
-    mass = torch.zeros(num_prefixes, dtype=torch.float64).index_add_(0, prefix, probs)
-    total = torch.zeros(num_prefixes, dtype=torch.float64).index_add_(0, prefix, probs * values)
-    return (total / mass)[prefix]
-
-
-def token_score_norms(policy: SequencePolicy, logits: Tensor) -> Tensor:
-    """||s_t(y)||^2 per token, `(num_sequences, length)`; the rows sum to ||s(y)||^2 because the
-    tokens' parameter blocks are disjoint (the flat score is laid out step by step)."""
-    scores = policy.scores(logits, policy.all_sequences())
-    return scores.view(policy.num_sequences, policy.length, -1).square().sum(dim=2)
-
-
-def value_baselines(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> Tensor:
-    """V(y_<t) = E[r | y_<t], the critic's baseline, `(num_sequences, length)`."""
-    return exact_prefix_values(policy, logits, rewards)[:, :-1]
-
-
-def optimal_token_baselines(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> Tensor:
-    """b_t*(y_<t) = E[||s_t||^2 r | y_<t] / E[||s_t||^2 | y_<t], `(num_sequences, length)`."""
-    probs = policy.probs(logits).detach()
-    norms = token_score_norms(policy, logits)
-    return torch.stack(
-        [
-            _conditional_mean(policy, probs, norms[:, step] * rewards, step)
-            / _conditional_mean(policy, probs, norms[:, step], step)
-            for step in range(policy.length)
-        ],
-        dim=1,
-    )
-
-
-def token_baseline_moments(
-    policy: SequencePolicy, logits: Tensor, rewards: Tensor, baselines: Tensor
-) -> dict[str, Tensor]:
-    """Exact mean and variance of one sample's g = sum_t (r - b_t(y_<t)) s_t.
-
-    `baselines: (num_sequences, length)`, column t a function of the prefix y_<t only (checked:
-    a baseline that sees y_t would bias the estimator). Returns "mean": `(num_params,)` and
-    "variance": E||g - E[g]||^2, a scalar tensor.
-    """
-    probs = policy.probs(logits).detach()
-    for step in range(policy.length):
-        column = baselines[:, step]
-        if (column - _conditional_mean(policy, probs, column, step)).abs().max() > 1e-12 * (
-            1 + column.abs().max()
-        ):
-            raise ValueError(f"baselines[:, {step}] must depend only on the prefix y_<{step}")
-    scores = policy.scores(logits, policy.all_sequences()).view(
-        policy.num_sequences, policy.length, -1
-    )
-    estimates = ((rewards[:, None] - baselines)[..., None] * scores).flatten(start_dim=1)
-    mean = probs @ estimates
-    return {"mean": mean, "variance": probs @ (estimates - mean).square().sum(dim=1)}
 
 
 # -- the chapter's comparisons, built from the functions above --------------------------------
@@ -334,103 +208,7 @@ def group_variance_table(
     return groups
 
 
-def token_baseline_candidates(
-    policy: SequencePolicy, logits: Tensor, rewards: Tensor
-) -> dict[str, Tensor]:
-    """The baselines of section 4, each `(num_sequences, length)`: none, the constants E[r] and
-    b*, the per-token value V(y_<t) and the per-token optimal b*_t(y_<t)."""
-    shape = (policy.num_sequences, policy.length)
-    mean_reward = float(policy.objective(logits, rewards))
-    b_star = baseline_gap(policy, logits, rewards)["optimal_baseline"]
-    return {
-        "none": torch.zeros(shape, dtype=torch.float64),
-        "constant E[r]": torch.full(shape, mean_reward, dtype=torch.float64),
-        "constant b*": torch.full(shape, b_star, dtype=torch.float64),
-        "per-token value V(y_<t)": value_baselines(policy, logits, rewards),
-        "per-token optimal b*_t(y_<t)": optimal_token_baselines(policy, logits, rewards),
-    }
-
-
-def token_baseline_comparison(
-    policy: SequencePolicy, policies: dict[str, tuple[str, Tensor]], rewards: Tensor
-):
-    """`token_baseline_moments` of every `token_baseline_candidates` baseline, for each policy
-    (key -> (label, logits)).
-
-    Returns: a DataFrame of variances relative to the constant E[r] (rows: baselines, columns:
-    policy labels); the largest |E[g] - grad J| entry over all of them (each is unbiased); and
-    key -> the last token's optimal baseline's probability-weighted mean distance from the
-    prefix value, E|b*_L(y_<L) - V(y_<L)|.
-    """
-    import pandas as pd
-
-    rows, last_token_gaps, unbiased_error = {}, {}, 0.0
-    for key, (label, logits) in policies.items():
-        candidates = token_baseline_candidates(policy, logits, rewards)
-        exact_gradient = policy.exact_gradient(logits, rewards)
-        variances = {}
-        for name, baselines in candidates.items():
-            moments = token_baseline_moments(policy, logits, rewards, baselines)
-            variances[name] = float(moments["variance"])
-            error = float((moments["mean"] - exact_gradient).abs().max())
-            unbiased_error = max(unbiased_error, error)
-        reference = variances["constant E[r]"]
-        rows[label] = {name: value / reference for name, value in variances.items()}
-        last_token = (
-            candidates["per-token optimal b*_t(y_<t)"][:, -1]
-            - candidates["per-token value V(y_<t)"][:, -1]
-        )
-        last_token_gaps[key] = float(policy.probs(logits) @ last_token.abs())
-    return pd.DataFrame(rows), unbiased_error, last_token_gaps
-
-
-# -- verl's baselines, and where the KL penalty goes -------------------------------------------
-
-
-def greedy_sequence(policy: SequencePolicy, logits: Tensor) -> int:
-    """The number of the greedy completion: the likeliest token at each step given the last."""
-    context, number = policy.vocab_size, 0  # BOS
-    for step in range(policy.length):
-        context = int(logits[step, context].argmax())
-        number = number * policy.vocab_size + context
-    return number
-
-
-def otb_baselines(policy: SequencePolicy, logits: Tensor, rewards: Tensor) -> Tensor:
-    """verl's optimal token baseline, population version: B_t = E[r W_t] / E[W_t] with
-    W_t = sum_{j <= t} ||s_j||^2, the same for every sequence, `(num_sequences, length)`."""
-    probs = policy.probs(logits).detach()
-    cumulative = token_score_norms(policy, logits).cumsum(dim=1)
-    per_step = (probs * rewards) @ cumulative / (probs @ cumulative)
-    return per_step.expand(policy.num_sequences, -1).clone()
-
-
-def verl_baseline_table(
-    policy: SequencePolicy, policies: dict[str, tuple[str, Tensor]], rewards: Tensor, group_sizes
-):
-    """Variance of one update relative to the oracle E[r] at the same G, for verl's baselines and
-    the group's, on each policy (key -> (label, logits)): ReMax's r(greedy) and the constant b*
-    (any G), the population OTB (any G), RLOO at the smallest and largest G. Returns
-    (DataFrame: rows baselines, columns policy labels; key -> r(greedy))."""
-    import pandas as pd
-
-    columns, greedy_rewards = {}, {}
-    for key, (label, logits) in policies.items():
-        gap = baseline_gap(policy, logits, rewards)
-        greedy_rewards[key] = float(rewards[greedy_sequence(policy, logits)])
-        remax = float(estimator_variance(policy, logits, rewards, greedy_rewards[key]))
-        otb_baseline = otb_baselines(policy, logits, rewards)
-        otb = token_baseline_moments(policy, logits, rewards, otb_baseline)
-        column = {
-            "ReMax: r(greedy)": remax / gap["variance_at_mean"],
-            "constant b*": gap["variance_at_optimal"] / gap["variance_at_mean"],
-            "OTB: E[r W_t] / E[W_t]": float(otb["variance"]) / gap["variance_at_mean"],
-        }
-        for size in (min(group_sizes), max(group_sizes)):
-            variances = group_variances(policy, logits, rewards, size)
-            column[f"RLOO, G = {size}"] = variances["rloo"] / variances["oracle_mean"]
-        columns[label] = column
-    return pd.DataFrame(columns), greedy_rewards
+# -- where the KL penalty goes ----------------------------------------------------------------
 
 
 def shrinkage_with_kl_cosine(
@@ -447,10 +225,15 @@ def shrinkage_with_kl_cosine(
 def kl_placement(
     policy: SequencePolicy, logits: Tensor, ref_logits: Tensor, rewards: Tensor, beta: float
 ) -> dict[str, float]:
-    """Where beta KL(pi || pi_ref) goes, exactly (module docstring). One-sample updates with the
-    oracle baseline (the group baselines scale the mean as in section 3):
+    """Where beta KL(pi || pi_ref) goes, exactly (chapter 8, section 6). One-sample updates with
+    the oracle baseline (the group baselines scale the mean as in section 3):
 
     reward: (r' - E r') s with r' = r - beta k1;  loss_k3 / loss_k1: (r - E r) s - beta grad k.
+
+    In the loss the estimate k(y) = sum_t k(x_t), x_t = log pi(y_t | .) - log pi_ref(y_t | .), is
+    differentiated through log pi: grad k = sum_t k'(x_t) s_t, with k' = 1 for k1 (so
+    E[grad k1] = E[s] = 0) and k' = 1 - pi_ref / pi for k3 (k3 without the ratio, TRL's
+    use_bias_correction_kl=False).
 
     Returns floats: "divergence" KL(pi || pi_ref); "reward_error"
     max |E[g] - (grad J - beta grad KL)|;

@@ -2,6 +2,8 @@
 
 import matplotlib.pyplot as plt
 
+from grpo_companion.core.figures import legend_outside
+
 
 def plot_variance_vs_baseline(curves: dict, gaps: dict, labels: dict) -> plt.Figure:
     """One panel per case (2 x 3): `curves` key -> (baselines b, Var[g_b] / Var[g_b*]), from
@@ -52,5 +54,5 @@ def plot_group_estimator_variance(groups) -> plt.Figure:
     )
     ax.set_xticks(sizes, [str(size) for size in sizes])
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    legend_outside(ax)
     return fig

@@ -26,11 +26,12 @@ import pandas as pd
 
 from grpo_companion.core.stats import fitted_trend, interval_words, mean_interval
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_arithmetic_chains
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import greedy_completions
 from grpo_companion.lm.steps import worked_lines
-from grpo_companion.lm.trainer import GRPOConfig, held_out_accuracy, train
+from grpo_companion.lm.trainer import held_out_accuracy, train
 
 ARMS = ("outcome", "process")
 ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit"}

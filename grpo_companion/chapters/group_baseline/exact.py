@@ -21,6 +21,7 @@ import pandas as pd
 from torch import Tensor
 
 from grpo_companion.core import exact
+from grpo_companion.core.figures import legend_outside
 from grpo_companion.core.group_estimators import (
     gradient_weight,
     group_estimator_moments,
@@ -113,7 +114,7 @@ def plot_gradient_weight_vs_group_size(scaling: pd.DataFrame, pass_rate: float) 
         ylabel=r"$w$ in $\mathbb{E}[g] = w\,\nabla J$",
         title=rf"Expected update in units of $\nabla J$ (pass rate {pass_rate:.2f})",
     )
-    ax.legend(fontsize="small")
+    legend_outside(ax)
     return fig
 
 
@@ -146,5 +147,5 @@ def plot_prompt_weight_vs_pass_rate(prompts: pd.DataFrame, group_size: int) -> p
         ylim=(0, 6),
         title=f"Weight of a prompt in the expected update, G = {group_size}",
     )
-    ax.legend(fontsize="small")
+    legend_outside(ax)
     return fig

@@ -27,10 +27,11 @@ import pandas as pd
 import torch
 from scipy import stats
 
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, extract_answer, gold_answer, load_gsm8k, reward
 from grpo_companion.lm.rollouts import generate_rollouts, greedy_completions
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec
-from grpo_companion.lm.trainer import GRPOConfig, grpo_step
+from grpo_companion.lm.trainer import grpo_step
 
 
 def num_seen_problems(model_name: str, spec: TinyLlamaSpec, num_train_prompts: int) -> int:
@@ -332,7 +333,7 @@ def plot_learning_curves(frame: pd.DataFrame, window: int, config) -> plt.Figure
     """Six panels of a `history_frame`: reward and held-out accuracy, group kinds,
     entropy, KL and clipping, gradient norm, completion lengths and truncation.
 
-    window: steps of the reward's moving average; config: the run's `trainer.GRPOConfig`
+    window: steps of the reward's moving average; config: the run's `config.GRPOConfig`
     (its beta, num_iterations and max_completion_length label the panels).
     """
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)

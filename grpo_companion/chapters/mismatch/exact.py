@@ -1,71 +1,34 @@
-r"""Chapter 13: rollouts from a sampler pi_samp that is not the trained policy pi, and the
-importance-sampling corrections of TRL and verl, in exact expectation on chapter 1's
-enumerable sequence policy. Figures are in `grpo_companion.chapters.mismatch.plots`.
+r"""Rollouts from a sampler pi_samp that is not the trained policy pi: the exact bias and
+variance of GRPO's estimator under each correction, on chapter 1's enumerable sequence policy.
 
-The samplers
-------------
-`sampler_logits` turns the policy's logit table into the sampler's: a temperature (the logits
-divided by it), top-p (`core.importance.top_p_log_probs`: the nucleus, renormalised) or a
-rounding of the logits (`core.importance.round_logits`, bf16 at 8 significant bits).
+`sampler_logits` turns the policy's logit table into the sampler's: a temperature, top-p
+(`grpo_companion.core.importance.top_p_log_probs`) or a rounding of the logits
+(`grpo_companion.core.importance.round_logits`; 8 significant bits is bf16's). Under a correction
+of `grpo_companion.chapters.mismatch.corrections` a group's estimate is
+g = (1/G) sum_i A_i v(y_i), y_i ~ pi_samp, with v(y) = sum_t u_t(y) psi_t(y) / eta and eta the
+expected fraction of kept tokens (1 without rejection sampling): v is a table over the sequences
+(`corrected_score_table`), and with a binary reward the moments of g are sums over the number of
+correct completions in a group (`binary_group_moments`). `mismatch_table` measures each
+correction against the on-policy estimator (`on_policy_moments`), `mismatch_sizes` how far each
+sampler is from the policy, `monte_carlo_check` the exact moments against sampled groups
+(`sample_corrected_groups`), and `top_p_ratio_means` the mean token ratio under top-p. Figures
+are in `grpo_companion.chapters.mismatch.plots`.
 
-The estimator
--------------
-A group of G sequences y_1..y_G is drawn i.i.d. from pi_samp, A_i are the group's advantages
-(`core.advantages.group_advantages`) and, at the first step on the batch (pi_old = pi), a
-correction puts a weight u_t(y) >= 0 on the score psi_t = grad log pi(y_t | s_t) of each token:
-
-    g = (1/G) sum_i A_i v(y_i),        v(y) = sum_t u_t(y) psi_t(y) / eta.
-
-`token_weights` computes u from the log-ratios log pi - log pi_samp with the functions of
-`core.importance` (TRL's ``vllm_importance_sampling_mode``, verl's ``rollout_is`` and
-``rollout_rs``) or, for verl's bypass mode with PPO-clip, by autograd on chapter 3's
-`core.losses.clipped_surrogate` with pi_old = pi_samp. eta is 1 except under verl's rejection
-sampling, whose rejected tokens also leave the token-mean normaliser: eta is then the expected
-fraction of kept tokens, the normaliser of a large batch (`corrected_score_table`). Without a
-correction v is the score s(y), and g is chapter 2's `group_gradient`.
-
-Exact moments
--------------
-u depends on the sequence alone (bypass PPO-clip also on the sign of A, i.e. on r(y)), so v is a
-table over the sequences. With a binary reward, every method gives the correct completions of a
-group with k correct one advantage a_c(k) and the incorrect ones a_i(k)
-(`core.exact.binary_group_advantages`), and given k the group is k independent draws from
-pi_samp given r = 1 and G - k given r = 0. With q the sampler's pass rate,
-b_k = C(G, k) q^k (1 - q)^(G - k), M_r = E[v | r] and Q_r = E[||v||^2 | r]:
-
-    E[g]     = (1/G) sum_k b_k (k a_c M_1 + (G - k) a_i M_0),
-    E||g||^2 = (1/G^2) sum_k b_k (a_c^2 (k Q_1 + k (k - 1) ||M_1||^2)
-                                  + a_i^2 ((G - k) Q_0 + (G - k) (G - k - 1) ||M_0||^2)
-                                  + 2 a_c a_i k (G - k) <M_1, M_0>),
-
-and Var[g] = E||g||^2 - ||E[g]||^2, the trace of the covariance (`binary_group_moments`).
-(Chapter 13 writes v as \tilde s, the weighted score, q as p_samp, a_c and a_i as a_+ and a_-,
-and spells b_k out: in the book v is the score noise, b a baseline and Q a value.)
-`mismatch_table` measures each correction against the on-policy estimator (u = 1,
-pi_samp = pi), whose mean E_pi[g] is what GRPO follows without a mismatch ((1 - 1/G) grad J
-with Dr. GRPO's advantages): the bias ||E[g] - E_pi[g]|| / ||E_pi[g]||, the cosine of E[g] with
-grad J, and Var[g] over the on-policy variance.
+Chapter: :doc:`/book/13_mismatch` (section 1: the estimator and its exact moments; sections 2 to
+4: the samplers, every correction's bias and variance, and the Monte Carlo check)
 """
 
 import math
-from dataclasses import dataclass
 
 import pandas as pd
 import torch
 from torch import Tensor
 
+from grpo_companion.chapters.mismatch.corrections import CORRECTIONS, Correction, token_weights
 from grpo_companion.core.advantages import group_advantages
 from grpo_companion.core.exact import binary_group_advantages
-from grpo_companion.core.importance import (
-    kept_mass,
-    rollout_is_weights,
-    rollout_rejection_mask,
-    round_logits,
-    top_p_log_probs,
-    vllm_importance_weights,
-)
+from grpo_companion.core.importance import kept_mass, round_logits, top_p_log_probs
 from grpo_companion.core.kl import exact_kl
-from grpo_companion.core.losses import clipped_surrogate
 from grpo_companion.core.policy_gradient import SequencePolicy
 
 MISMATCHES = ("temperature", "top_p", "rounding")
@@ -85,172 +48,6 @@ def sampler_logits(logits: Tensor, mismatch: str, size) -> Tensor:
     if mismatch == "rounding":
         return round_logits(logits, int(size))
     raise ValueError(f"unknown mismatch {mismatch!r}; expected one of {MISMATCHES}")
-
-
-@dataclass(frozen=True)
-class Correction:
-    """One row of the chapter's table: what it computes, and the TRL 1.16 and verl 0.9.1
-    settings that give it ("" where a library has none). ``mode``, ``clip_max``, ``clip_min``:
-    TRL's `vllm_importance_weights`; ``rollout_is*`` and ``rollout_rs*``: verl's
-    `rollout_is_weights` and `rollout_rejection_mask`; ``ppo_clip``: verl's bypass mode with
-    PPO-clip, (clip_ratio, clip_ratio_c)."""
-
-    name: str
-    trl: str = ""
-    verl: str = ""
-    mode: str | None = None
-    clip_max: float | None = None
-    clip_min: float | None = None
-    rollout_is: str | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
-    ppo_clip: tuple[float, float] | None = None
-
-
-CORRECTIONS = (
-    Correction(
-        "none",
-        trl="vllm_importance_sampling_correction=False",
-        verl="rollout_is=null, rollout_rs=null (RolloutCorrectionConfig.disabled())",
-    ),
-    Correction(
-        "token IS",
-        trl='"token_truncate", clip_max=inf',
-        verl='rollout_is="token", rollout_is_threshold=inf',
-        mode="token_truncate",
-        clip_max=math.inf,
-    ),
-    Correction(
-        "sequence IS",
-        trl='"sequence_truncate", clip_max=inf',
-        verl='rollout_is="sequence", rollout_is_threshold=inf',
-        mode="sequence_truncate",
-        clip_max=math.inf,
-    ),
-    Correction(
-        "token_truncate 3",
-        trl='"token_truncate" (clip_max=3.0)',
-        verl='rollout_is="token", rollout_is_threshold=3.0',
-        mode="token_truncate",
-        clip_max=3.0,
-    ),
-    Correction("token_mask 3", trl='"token_mask" (clip_max=3.0)', mode="token_mask", clip_max=3.0),
-    Correction(
-        "sequence_truncate 3",
-        trl='"sequence_truncate" (clip_max=3.0)',
-        verl='rollout_is="sequence", rollout_is_threshold=3.0',
-        mode="sequence_truncate",
-        clip_max=3.0,
-    ),
-    Correction(
-        "sequence_mask 3",
-        trl='"sequence_mask" (clip_max=3.0): the default',
-        mode="sequence_mask",
-        clip_max=3.0,
-    ),
-    Correction(
-        "token TIS 2",
-        trl='"token_truncate", clip_max=2.0',
-        verl='decoupled_token_is(): rollout_is="token", rollout_is_threshold=2.0',
-        rollout_is="token",
-        rollout_is_threshold=2.0,
-    ),
-    Correction(
-        "sequence TIS 2",
-        trl='"sequence_truncate", clip_max=2.0',
-        verl='decoupled_seq_is(), bypass_pg_is(): rollout_is="sequence", rollout_is_threshold=2.0 '
-        "(the config's defaults)",
-        rollout_is="sequence",
-        rollout_is_threshold=2.0,
-    ),
-    Correction(
-        "IcePop 0.5-5",
-        trl='"token_mask", clip_min=0.5, clip_max=5.0',
-        verl='decoupled_token_icepop(): rollout_is="token", rollout_is_threshold="0.5_5.0"',
-        rollout_is="token",
-        rollout_is_threshold="0.5_5.0",
-    ),
-    Correction(
-        "sequence TIS 2 + RS 0.5-2",
-        trl='"sequence_mask", clip_min=0.5, clip_max=2.0 (the same weights; the masked tokens '
-        "stay in TRL's normaliser)",
-        verl='decoupled_seq_is_rs(): rollout_is="sequence", 2.0; rollout_rs="seq_sum_k1", '
-        '"0.5_2.0"',
-        rollout_is="sequence",
-        rollout_is_threshold=2.0,
-        rollout_rs="seq_sum_k1",
-        rollout_rs_threshold="0.5_2.0",
-    ),
-    Correction(
-        "geometric RS 0.999-1.001",
-        verl='decoupled_geo_rs(): rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"',
-        rollout_rs="seq_mean_k1",
-        rollout_rs_threshold="0.999_1.001",
-    ),
-    Correction(
-        "K3 RS 0.01",
-        verl='decoupled_k3_rs(): rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01',
-        rollout_rs="seq_mean_k3",
-        rollout_rs_threshold=0.01,
-    ),
-    Correction(
-        "bypass PPO-clip",
-        verl="bypass_ppo_clip(): PPO ratio pi / pi_samp, clip_ratio 0.2, clip_ratio_c 3.0",
-        ppo_clip=(0.2, 3.0),
-    ),
-)
-
-
-def correction(name: str) -> Correction:
-    """The row of `CORRECTIONS` called `name`."""
-    found = [row for row in CORRECTIONS if row.name == name]
-    if not found:
-        raise ValueError(f"no correction {name!r}; rows: {[row.name for row in CORRECTIONS]}")
-    return found[0]
-
-
-def settings_table(corrections=CORRECTIONS) -> pd.DataFrame:
-    """Which TRL and verl settings give each row: TRL's `vllm_importance_sampling_mode` (with
-    ``vllm_importance_sampling_correction=True``) and verl's ``algorithm.rollout_correction``
-    (a preset of ``RolloutCorrectionConfig`` where one exists)."""
-    return pd.DataFrame(
-        {
-            "TRL 1.16: vllm_importance_sampling_*": [row.trl or "-" for row in corrections],
-            "verl 0.9.1: algorithm.rollout_correction": [row.verl or "-" for row in corrections],
-        },
-        index=pd.Index([row.name for row in corrections], name="row"),
-    )
-
-
-def token_weights(
-    row: Correction, log_ratio: Tensor, mask: Tensor, rewards: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(u, kept), both (N, T): the weight of each token's score under correction `row`, and the
-    tokens that stay in the loss's mask (verl's rejection sampling removes some).
-
-    `log_ratio` = log pi - log pi_samp of each token, `mask` the completion mask, `rewards`
-    (N,) binary: the sign of a completion's advantage, which verl's bypass PPO-clip needs.
-    """
-    kept = mask
-    if row.ppo_clip is not None:
-        clip_ratio, clip_ratio_c = row.ppo_clip
-        log_probs = log_ratio.detach().clone().requires_grad_(True)  # pi_old = pi_samp: log 1
-        sign = torch.where(rewards > 0, 1.0, -1.0).to(log_ratio.dtype)
-        loss, _ = clipped_surrogate(
-            log_probs, torch.zeros_like(log_probs), sign, epsilon=clip_ratio, delta=clip_ratio_c
-        )
-        (gradient,) = torch.autograd.grad((loss * mask).sum(), log_probs)
-        return -gradient * sign[:, None], kept  # the loss's gradient is -u A grad log pi
-    if row.mode is not None:
-        weights = vllm_importance_weights(log_ratio, mask, row.mode, row.clip_max, row.clip_min)
-    elif row.rollout_is is not None:
-        weights = rollout_is_weights(log_ratio, mask, row.rollout_is, row.rollout_is_threshold)
-    else:
-        weights = torch.ones_like(log_ratio)
-    if row.rollout_rs is not None:
-        kept = rollout_rejection_mask(log_ratio, mask, row.rollout_rs, row.rollout_rs_threshold)
-    return weights.expand_as(log_ratio) * kept, kept
 
 
 def mismatch_log_ratios(
@@ -290,8 +87,22 @@ def binary_group_moments(
     probs: Tensor, rewards: Tensor, table: Tensor, group_size: int, method="dr_grpo", **options
 ) -> dict[str, Tensor]:
     """Exact E[g] (P,) and Var[g] (a scalar tensor) of g = (1/G) sum_i A_i v(y_i) over groups
-    of G i.i.d. draws from `probs` (N,), for binary `rewards` (N,) and `table` (N, P) = v(y)
-    (module docstring). `method` and `options` go to `group_advantages`."""
+    of G i.i.d. draws from `probs` (N,), for binary `rewards` (N,) and `table` (N, P) = v(y).
+    `method` and `options` go to `group_advantages`.
+
+    A group with k correct completions gives them one advantage a_c(k) and the others a_i(k)
+    (`grpo_companion.core.exact.binary_group_advantages`), and given k it is k independent draws
+    given r = 1 and G - k given r = 0. With q the pass rate under `probs`,
+    b_k = C(G, k) q^k (1 - q)^(G - k), M_r = E[v | r] and Q_r = E[||v||^2 | r]:
+
+        E[g]     = (1/G) sum_k b_k (k a_c M_1 + (G - k) a_i M_0),
+        E||g||^2 = (1/G^2) sum_k b_k (a_c^2 (k Q_1 + k (k - 1) ||M_1||^2)
+                                      + a_i^2 ((G - k) Q_0 + (G - k) (G - k - 1) ||M_0||^2)
+                                      + 2 a_c a_i k (G - k) <M_1, M_0>),
+
+    and Var[g] = E||g||^2 - ||E[g]||^2, the trace of the covariance. (Chapter 13 writes v as
+    s-tilde, the weighted score, q as p_samp, and a_c, a_i as a_+, a_-.)
+    """
     if not ((rewards == 0) | (rewards == 1)).all():
         raise ValueError("binary_group_moments needs binary rewards in {0, 1}")
     a_correct, a_incorrect = (

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from grpo_companion.core.figures import legend_outside
 from grpo_companion.core.policy_gradient import SequencePolicy
 
 
@@ -68,7 +69,7 @@ def plot_error_vs_samples(
         ylabel=r"$\|\hat g_n - \nabla J\|$ (RMS over repeats)",
         title="REINFORCE error against sample size",
     )
-    ax.legend(fontsize="small")
+    legend_outside(ax)
     return fig
 
 
@@ -98,5 +99,5 @@ def plot_variance_vs_baseline(
         ylabel="variance of one sample's estimate",
         title="Variance against baseline",
     )
-    ax.legend(fontsize="small")
+    legend_outside(ax)
     return fig

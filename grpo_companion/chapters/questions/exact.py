@@ -1,46 +1,18 @@
-r"""Chapter 14: the exact answers, one function per question, on chapter 1's sequence policy.
+r"""The exact answers of chapter 14, one function per question, on chapter 1's sequence policy.
 
-The loss at ratio 1
--------------------
-`surrogate_at_ratio_one`: `grpo_companion.core.losses.grpo_loss` at pi = pi_old without the KL
-term. Every ratio is 1, so the per-token loss of completion i is -A_i; the group's advantages sum
-to 0 and every completion has L tokens, so the value is 0 (to rounding) while the gradient is
--g / L, g = (1/(B G)) sum_i A_i s(y_i) the batch's group estimator (chapter 2).
+`surrogate_at_ratio_one`: TRL's loss at pi = pi_old, whose value is 0 while its gradient is
+minus the group estimator over the length (section 1). `truncated_degenerate_rate` and
+`simulated_zero_std_fraction`: how often a group's rewards are all equal (TRL's
+``frac_reward_zero_std``) when ``max_completion_length`` cuts completions before their answer
+(section 2). `kl_placement_gradients` and `kl_placement_table`: the mean gradient of each way TRL
+and verl put KL(pi || pi_ref) into GRPO (k1, k2, k3 or (pi / pi_old) k3 in the loss; k1 in the
+reward with no baseline, the group mean or leave-one-out) against the gradient of the sequence
+KL (section 5). `token_weights`: d loss / d l_it for each ``loss_type``, TRL's "bnpo" taken per
+micro-batch (section 7). `entropy_change`: the entropy's rate of change along an update,
+-Cov_pi(log pi(y), s(y) . d), three ways (section 8). `sequence_ratio_cap_length`: the length at
+which a sequence's importance weight reaches TRL's cap (section 9).
 
-Degenerate groups and truncation
---------------------------------
-A group is degenerate (TRL's ``frac_reward_zero_std``) when its G rewards are equal. With a
-binary reward of pass rate p that happens with probability p^G + (1 - p)^G. A completion cut by
-``max_completion_length`` before its answer scores 0: if a fraction c of completions is cut,
-independently of whether they would have been right, the pass rate seen is p (1 - c)
-(`truncated_degenerate_rate`), and as c -> 1 every group is all wrong.
-
-Where the KL goes
------------------
-`kl_placement_gradients`: the mean gradient of each way TRL and verl put KL(pi || pi_ref) into
-GRPO, by enumeration: k1, k2, k3 and (pi / pi_old) k3 (TRL's ``use_bias_correction_kl``) summed
-over a sequence's tokens in the loss (`grpo_companion.core.kl.kl_penalty`; its per-sequence
-gradients are `grpo_companion.core.kl.kl_estimate_gradients`), and the sequence's
-k1 = log pi(y) / pi_ref(y) subtracted from the reward (verl's ``use_kl_in_reward``,
-`grpo_companion.core.kl.kl_in_reward`) with no baseline, GRPO's group mean or RLOO's
-leave-one-out. In the reward, E[k1(y) s(y)] = grad KL(pi || pi_ref) exactly (E[s] = 0), so
-RLOO's estimate is unbiased and the group mean's is (1 - 1/G) of it.
-
-Token weights
--------------
-`token_weights`: d loss / d l_it for each ``loss_type`` (`grpo_companion.core.losses.aggregate`),
-TRL's "bnpo" taken per micro-batch as TRL's trainer does (each micro-batch divided by its own
-token count, the micro-batches averaged).
-
-Entropy
--------
-With s(y) = grad log pi(y) and E[s] = 0, grad H = -E[s (log pi + 1)] = -E[s log pi], so along a
-direction d of the logits the entropy changes at the rate
-
-    dH/dt = grad H . d = -Cov_pi(log pi(y), s(y) . d),
-
-minus the covariance of a sequence's log-probability with the change d makes to it
-(`entropy_change`). An update that raises the sequences that are already likely lowers H.
+Chapter: :doc:`/book/14_questions`
 """
 
 import math
@@ -219,7 +191,8 @@ def entropy_change(
     policy: SequencePolicy, logits: Tensor, direction: Tensor, step: float = 1e-5
 ) -> dict[str, float]:
     """The rate of change of H(pi) along `direction: (num_params,)` of the logits, three ways:
-    "covariance", -Cov_pi(log pi(y), s(y) . d) (module docstring); "gradient", grad H . d;
+    "covariance", -Cov_pi(log pi(y), s(y) . d), since grad H = -E[s log pi] when E[s] = 0;
+    "gradient", grad H . d;
     "finite difference", (H(theta + h d) - H(theta - h d)) / 2h with h = `step`."""
     sequences = policy.all_sequences()
     probs = policy.probs(logits).detach()

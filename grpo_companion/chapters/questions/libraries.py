@@ -1,31 +1,25 @@
 r"""Chapter 14: two answers read from the libraries themselves, TRL's batch arithmetic and peft's
 first LoRA step.
 
-What a TRL batch counts
------------------------
-TRL 1.16's `GRPOConfig.__post_init__` sets, on ``num_processes`` processes,
+`trl_batch_layout` builds TRL 1.16's `GRPOConfig` and reads what a batch counts:
+generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation
+completions (``steps_per_generation`` = ``gradient_accumulation_steps`` by default), which
+``num_generations`` must divide, so one generation batch holds generation_batch_size / G
+prompts; or it returns TRL's error message. `trl_defaults` reads the defaults the chapter quotes.
 
-    generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation,
-
-with ``steps_per_generation`` = ``gradient_accumulation_steps`` by default, and refuses a
-generation batch that ``num_generations`` does not divide: the batch holds whole groups of G
-completions of one prompt, so it counts completions, and one generation batch holds
-generation_batch_size / G prompts. `trl_batch_layout` builds the config and reads the numbers,
-or TRL's error message.
-
-LoRA's first step
------------------
 peft's LoRA adapter trains W' = W + (alpha / r) B A with B = 0 and A drawn by Kaiming's uniform
-rule (a = sqrt 5: entries uniform on [-1/sqrt(d_in), 1/sqrt(d_in)], variance 1 / (3 d_in)). At
-B = 0 only B has a gradient, (alpha / r) G A^T for the full gradient G, and AdamW's first step
-moves each entry by the learning rate eta times its sign, so
+rule (entries of variance 1 / (3 d_in)). At B = 0 only B has a gradient, (alpha / r) G A^T for
+the full gradient G, and AdamW's first step moves each entry by the learning rate eta times its
+sign, so
 
-    full fine-tuning:  Delta W = -eta sign(G),                ||Delta W||_F = eta sqrt(d_out d_in);
-    LoRA:              Delta W = -eta (alpha / r) sign(G A^T) A,  ||Delta W||_F ~ eta (alpha / r)
-                       sqrt(d_out r / 3),
+    full fine-tuning:  ||Delta W||_F = eta sqrt(d_out d_in);
+    LoRA:              ||Delta W||_F ~ eta (alpha / r) sqrt(d_out r / 3),
 
 a ratio of about alpha / sqrt(3 r d_in) (`lora_first_step_ratio`) at the same learning rate.
 `first_adam_step_norm` measures it with peft and torch's AdamW on one linear layer.
+
+Chapter: :doc:`/book/14_questions` (section 4: what a TRL batch counts; section 10: LoRA's first
+step)
 """
 
 import math

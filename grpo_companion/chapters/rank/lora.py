@@ -15,8 +15,8 @@ by the chain rule
     dL/dB = s (dL/dW') A^T,        dL/dA = s B^T (dL/dW')                 (`lora_chain_rule`)
 
 with dL/dW' the gradient `grpo_step` computes for the merged model on the same rollouts
-(tests/test_lora.py checks it on a step of the trainer). At the start (B = 0) only B moves: the
-full gradient's projection on the r rows of A.
+(tests/chapters/rank/test_lora.py checks it on a step of the trainer). At the start (B = 0)
+only B moves: the full gradient's projection on the r rows of A.
 
 The comparison. Each arm (full fine-tuning; adapters of each rank) trains from the same warm
 start with the same GRPO settings, steps and seeds: the same rollout budget, and the seeds pair
@@ -47,10 +47,10 @@ from grpo_companion.chapters.rank.accumulated import (
 )
 from grpo_companion.core.stats import interval_words, mean_interval
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.trainer import (
-    GRPOConfig,
     grpo_step,
     held_out_accuracy,
     reference_and_optimizer,
@@ -215,8 +215,8 @@ def mean_top_shares(rows: list[dict], ranks) -> dict[int, float]:
 def predicted_difference(top_share_r: float, reference_gain: float) -> float:
     """-(1 - c_r) g: the held-out gain an adapter of rank r loses against full fine-tuning if
     its progress is the share c_r of each step's gradient energy that r directions per matrix
-    hold (`mean_top_shares`), g full fine-tuning's gain."""
-    return -(1 - top_share_r) * reference_gain
+    hold (`mean_top_shares`), g > 0 full fine-tuning's gain; 0 when g <= 0 (no gain to lose)."""
+    return 0.0 if reference_gain <= 0 else -(1 - top_share_r) * reference_gain
 
 
 def seeds_for_margin(sd: float, margin: float, power: float = 0.8, confidence: float = 0.95,

@@ -209,9 +209,9 @@ def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict, margin:
     high = (adapters["difference high"].astype(float) - adapters["minus full"]).fillna(0)
     ax.errorbar(position, adapters["minus full"], yerr=[low.clip(lower=0), high.clip(lower=0)],
                 fmt="o", color="k", capsize=4, label="measured, paired by seed")  # fmt: skip
-    ax.plot(position, adapters["predicted"], "x", color="C3", ms=10, mew=2, label="predicted")
+    ax.plot(position, adapters["predicted"], "x", color="C4", ms=10, mew=2, label="predicted")
     ax.axhline(0, color="k", lw=0.8)
-    ax.axhline(-margin, color="C7", ls="--", label=f"-margin = {-margin:.3f}")
+    ax.axhline(-margin, color="C7", ls="--", label=f"minus the margin ({margin:.3f})")
     ax.set(xticks=position, xticklabels=list(adapters.index), ylabel="adapter minus full",
            title="difference from full fine-tuning")  # fmt: skip
     handles = [h for ax in (tune, differences) for h in ax.get_legend_handles_labels()[0]]

@@ -27,9 +27,10 @@ import torch
 from grpo_companion.core.exact import degenerate_rate, degenerate_rate_slope
 from grpo_companion.core.stats import mean_interval
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.rollouts import generate_rollouts
-from grpo_companion.lm.trainer import GRPOConfig, train
+from grpo_companion.lm.trainer import train
 
 PROBES = "probes.json"
 

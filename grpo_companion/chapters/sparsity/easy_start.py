@@ -22,9 +22,9 @@ from grpo_companion.chapters.sparsity.flow import fitted_prediction
 from grpo_companion.chapters.sparsity.sign import seeds_for_power
 from grpo_companion.core.stats import mean_interval
 from grpo_companion.lm import gsm8k
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.parallel import map_runs
-from grpo_companion.lm.trainer import GRPOConfig
 
 
 def selection_seed(seed: int) -> int:

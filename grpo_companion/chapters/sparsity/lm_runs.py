@@ -27,10 +27,11 @@ from grpo_companion.core.advantages import (
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.core.stats import interval_words, metric_by_step, seed_band
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import Rollouts
 from grpo_companion.lm.scoring import sequence_log_probs
-from grpo_companion.lm.trainer import GRPOConfig, train
+from grpo_companion.lm.trainer import train
 
 
 def per_group_gradients(

@@ -190,7 +190,7 @@ def test_verl_zoo_in_the_table_and_its_summary():
 
 
 def test_opo_baseline_comparison_by_hand():
-    from grpo_companion.chapters.advantage_zoo.zoo import TwoLengthToy, opo_baseline_comparison
+    from grpo_companion.chapters.advantage_zoo.length import TwoLengthToy, opo_baseline_comparison
 
     toy = TwoLengthToy(short_length=2, long_length=4, long_logit=0.4, step_logit=1.1)
     result = opo_baseline_comparison(toy)

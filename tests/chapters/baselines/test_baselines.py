@@ -14,16 +14,18 @@ from grpo_companion.chapters.baselines.optimal import (
     gap_table,
     group_variance_table,
     group_variances,
-    optimal_token_baselines,
     rank_reward,
     squared_score_norms,
+    uncorrelated_reward,
+    variance_curve,
+)
+from grpo_companion.chapters.baselines.tokens import (
+    optimal_token_baselines,
     token_baseline_candidates,
     token_baseline_comparison,
     token_baseline_moments,
     token_score_norms,
-    uncorrelated_reward,
     value_baselines,
-    variance_curve,
 )
 from grpo_companion.core.group_estimators import group_estimator_moments, sample_group_estimates
 from grpo_companion.core.policy_gradient import SequencePolicy, estimator_variance, sum_mod_reward
@@ -312,7 +314,7 @@ def test_figures_draw_every_case_and_curve(setup):
 
 
 def test_greedy_sequence_follows_the_argmax_token_by_token():
-    from grpo_companion.chapters.baselines.optimal import greedy_sequence
+    from grpo_companion.chapters.baselines.tokens import greedy_sequence
 
     policy = SequencePolicy(vocab_size=3, length=2)
     logits = torch.zeros(policy.logits_shape, dtype=F64)
@@ -323,7 +325,7 @@ def test_greedy_sequence_follows_the_argmax_token_by_token():
 
 
 def test_otb_is_unbiased_and_ends_at_b_star():
-    from grpo_companion.chapters.baselines.optimal import otb_baselines
+    from grpo_companion.chapters.baselines.tokens import otb_baselines
     from grpo_companion.core.policy_gradient import optimal_baseline
 
     policy = SequencePolicy(vocab_size=3, length=3)
@@ -337,7 +339,7 @@ def test_otb_is_unbiased_and_ends_at_b_star():
 
 
 def test_verl_baseline_table_matches_the_parabola_and_the_closed_form():
-    from grpo_companion.chapters.baselines.optimal import greedy_sequence, verl_baseline_table
+    from grpo_companion.chapters.baselines.tokens import greedy_sequence, verl_baseline_table
 
     policy = SequencePolicy(vocab_size=3, length=3)
     logits = policy.init_logits(2, scale=1.5)

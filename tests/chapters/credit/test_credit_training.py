@@ -22,7 +22,7 @@ from grpo_companion.chapters.credit.training import (
     warm_start_step_counts,
     warm_start_worked_lines,
 )
-from grpo_companion.lm.trainer import GRPOConfig
+from grpo_companion.lm.config import GRPOConfig
 
 STEP_COUNTS, SEEDS, INITIAL = [1, 2, 3, 4], [0, 1, 2], 0.2
 # The outcome arm gains 0.3 - 0.2 = 0.1 at every k: a predicted slope of 0.2 / 2 * 0.1 = 0.01.

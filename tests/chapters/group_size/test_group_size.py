@@ -14,9 +14,8 @@ import pytest
 import torch
 from conftest import sum_mod_setup
 
-from grpo_companion.chapters.group_size.ustatistic import (
+from grpo_companion.chapters.group_size.budget import (
     BUDGET_ESTIMATORS,
-    ESTIMATORS,
     best_group_size,
     best_group_sizes,
     beta_with_mean,
@@ -24,18 +23,21 @@ from grpo_companion.chapters.group_size.ustatistic import (
     budget_monte_carlo,
     budget_mse_curves,
     budget_optima,
+    rloo_best_group_size,
+    rloo_best_group_size_table,
+    sample_batch_errors,
+    smallest_group_size,
+)
+from grpo_companion.chapters.group_size.ustatistic import (
+    ESTIMATORS,
     closed_form_mse,
     exact_mse,
     kernel_table,
     kernel_variances,
     max_relative_gap,
     oracle_property_summary,
-    rloo_best_group_size,
-    rloo_best_group_size_table,
-    sample_batch_errors,
     sampled_mse,
     sequence_policy_moments,
-    smallest_group_size,
     u_statistic,
     u_statistic_identity_error,
     u_statistic_variance,
@@ -366,7 +368,7 @@ def test_section_3s_pair_noise_per_prompt_is_t_times_t_plus_v_plus_t_squared(sco
 @pytest.mark.parametrize("score_noise", [0.0, 1.0, 4.0, 100.0])
 @pytest.mark.parametrize("a, b", [(1.0, 1.0), (2.0, 5.0), (8.0, 8.0), (0.5, 0.7)])
 def test_the_closed_form_g_star_is_the_exact_moments_g_star(a, b, score_noise):
-    from grpo_companion.chapters.group_size.ustatistic import bernoulli_g_star
+    from grpo_companion.chapters.group_size.budget import bernoulli_g_star
 
     nodes, weights = beta_quadrature(a, b)
     closed = bernoulli_g_star(nodes, weights, score_noise=score_noise)
@@ -378,7 +380,7 @@ def test_the_closed_form_g_star_is_the_exact_moments_g_star(a, b, score_noise):
 
 
 def test_g_star_grows_like_the_square_root_of_the_score_noise():
-    from grpo_companion.chapters.group_size.ustatistic import bernoulli_g_star
+    from grpo_companion.chapters.group_size.budget import bernoulli_g_star
 
     nodes, weights = beta_quadrature(1.0, 1.0)
     g_star = [bernoulli_g_star(nodes, weights, score_noise=v) for v in (0.0, 1.0, 4.0, 16.0)]

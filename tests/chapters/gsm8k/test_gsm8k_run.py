@@ -10,9 +10,10 @@ import torch
 from scipy import stats
 
 from grpo_companion.chapters.gsm8k import run, sparsity
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, gold_answer, load_gsm8k, reward
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec
-from grpo_companion.lm.trainer import METRICS, GRPOConfig, grpo_step
+from grpo_companion.lm.trainer import METRICS, grpo_step
 
 # --- held-out problems -----------------------------------------------------------------------
 

@@ -15,21 +15,23 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from grpo_companion.chapters.mismatch.exact import (
+from grpo_companion.chapters.mismatch.corrections import (
     CORRECTIONS,
-    NO_MISMATCH,
     Correction,
+    correction,
+    settings_table,
+    token_weights,
+)
+from grpo_companion.chapters.mismatch.exact import (
+    NO_MISMATCH,
     binary_group_moments,
     corrected_score_table,
-    correction,
     mismatch_log_ratios,
     mismatch_sizes,
     mismatch_table,
     monte_carlo_check,
     on_policy_moments,
     sampler_logits,
-    settings_table,
-    token_weights,
     top_p_ratio_means,
 )
 from grpo_companion.chapters.mismatch.plots import plot_bias_variance

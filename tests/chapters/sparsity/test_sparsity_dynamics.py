@@ -9,8 +9,8 @@ from scipy import stats
 
 from grpo_companion.chapters.sparsity import dynamics as sd
 from grpo_companion.core.stats import interval_words
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
-from grpo_companion.lm.trainer import GRPOConfig
 
 NEITHER = interval_words(None, None, 1.0, "", "")
 

@@ -19,8 +19,9 @@ from grpo_companion.chapters.sparsity.dynamics import (
     probe_seed,
 )
 from grpo_companion.chapters.sparsity.plots import plot_easy_start
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
-from grpo_companion.lm.trainer import GRPOConfig, rollout_seed
+from grpo_companion.lm.trainer import rollout_seed
 
 
 def test_selection_keeps_the_first_candidates_in_range_and_only_them():

@@ -16,8 +16,9 @@ from scipy import stats
 
 from grpo_companion.chapters.rank import accumulated, lora, plots
 from grpo_companion.core.stats import mean_interval
+from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
-from grpo_companion.lm.trainer import GRPOConfig, grpo_step, reference_and_optimizer
+from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
 
 CONFIG = GRPOConfig(
     num_generations=4,
@@ -204,6 +205,7 @@ def test_margin_words_follow_the_ledgers_rule():
 def test_predicted_difference():
     assert lora.predicted_difference(0.75, 0.2) == pytest.approx(-0.05)
     assert lora.predicted_difference(1.0, 0.2) == 0.0
+    assert lora.predicted_difference(0.75, -0.02) == 0.0  # full fine-tuning lost: nothing to lose
 
 
 def _result(accuracy):

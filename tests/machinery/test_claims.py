@@ -48,7 +48,7 @@ from grpo_companion.machinery.declarations import (
 )
 from grpo_companion.machinery.pipeline import Project
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLAIMS_FILE = ROOT / "book" / "claims.toml"
 RESULTS_FILE = ROOT / "book" / "results.toml"
 CLAIMS = load_claims(CLAIMS_FILE)
