@@ -228,9 +228,9 @@ UPDATE_STYLE = {"accumulated": ("C3", r"$W_t - W_0$"), "gradient": ("C0", r"step
 
 def plot_accumulated_update(frame: pd.DataFrame, spectra: dict[str, np.ndarray],
                             kind: str) -> Figure:  # fmt: skip
-    """One layer type `kind` ("q_proj"): the mean normalised spectrum sigma_k / sigma_1 of the
+    """One layer type `kind` ("q_proj"): the mean normalised spectrum sigma_j / sigma_1 of the
     accumulated update and of the step gradient at the last step (`spectra`: {"accumulated",
-    "gradient"}: `(k,)`, `accumulated.mean_normalised_spectrum`), and, against the step, the
+    "gradient"}: `(J,)`, `accumulated.mean_normalised_spectrum`), and, against the step, the
     stable and entropy effective ranks and the top direction's share of each, means over the
     layers and seeds of `frame` (`accumulated.spectra_frame`). Legend outside, on the right."""
     part = frame[frame["layer_type"] == kind]
@@ -246,11 +246,14 @@ def plot_accumulated_update(frame: pd.DataFrame, spectra: dict[str, np.ndarray],
         rank_ax.plot(means.index, means["entropy"], "s--", color=color,
                      label=f"{label}, entropy")  # fmt: skip
         share_ax.plot(means.index, means["top_share"], "o-", color=color, label=label)
-    spectrum_ax.set(xlabel="index k", ylabel=r"$\sigma_k / \sigma_1$",
+    spectrum_ax.set(xlabel="index j", ylabel=r"$\sigma_j / \sigma_1$",
                     title="spectrum at the last step")  # fmt: skip
-    rank_ax.set(xlabel="step t", ylabel="effective rank", yscale="log",
+    ranks = part[["stable", "entropy"]].to_numpy(dtype=float)
+    # A log axis needs a positive value; a run too short to track any step draws none.
+    scale = "log" if np.any(np.isfinite(ranks) & (ranks > 0)) else "linear"
+    rank_ax.set(xlabel="step t", ylabel="effective rank", yscale=scale,
                 title="stable (solid) and entropy (dashed) rank")  # fmt: skip
-    share_ax.set(xlabel="step t", ylabel=r"$\sigma_1^2 / \sum_k \sigma_k^2$", ylim=(0, 1.02),
+    share_ax.set(xlabel="step t", ylabel=r"$\sigma_1^2 / \sum_j \sigma_j^2$", ylim=(0, 1.02),
                  title="share of the top direction")  # fmt: skip
     fig.legend(*rank_ax.get_legend_handles_labels(), fontsize="small", loc="center left",
                bbox_to_anchor=(0.81, 0.5))  # fmt: skip

@@ -315,3 +315,24 @@ def test_the_comparison_figure_keeps_its_legend_outside_the_panels():
     rightmost = max(ax.get_window_extent().x1 for ax in figure.axes)
     assert legend.x0 >= rightmost
     plt.close(figure)
+
+
+def test_the_update_figure_draws_a_run_without_tracked_ranks_without_a_warning():
+    """A run too short to track a step has no positive rank: the axis stays linear instead of
+    warning (a warning would print the package's path on the page)."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {"layer_type": ["q_proj"] * 2, "kind": ["accumulated", "gradient"], "step": [1, 1],
+         "stable": [np.nan, np.nan], "entropy": [np.nan, np.nan], "top_share": [np.nan, np.nan]}
+    )  # fmt: skip
+    spectra = {"accumulated": np.array([1.0, 0.5]), "gradient": np.array([1.0, 0.2])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plots.plot_accumulated_update(frame, spectra, "q_proj")
+    assert fig.axes[1].get_yscale() == "linear"
+    plt.close(fig)
