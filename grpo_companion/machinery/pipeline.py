@@ -24,6 +24,7 @@ Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs. A
 
 import ast
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -46,6 +47,14 @@ from grpo_companion.machinery.provenance import (
 RESERVED = ("profile", "output_dir")  # injected by the pipeline, declared by every chapter
 INJECTED_IF_DECLARED = ("build_dir",)  # injected into the chapters that declare it
 SHARED = "shared"  # profiles.toml: `[<profile>.shared]` values go to every chapter declaring them
+
+
+class _DropUnparsedLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to parse line")
+
+
+_UNPARSED_LINES = _DropUnparsedLines()
 
 
 class PipelineError(Exception):
@@ -252,6 +261,10 @@ def execute_chapter(
     import jupytext
     import papermill
 
+    # papermill's cell inspector reads one "=" per line, so a range beside a default
+    # (`n: ">= 1" = 200`, read by `parameters.py`) would print "Unable to parse line" for
+    # every such parameter; the injected values do not depend on that inspection.
+    logging.getLogger("papermill.translators").addFilter(_UNPARSED_LINES)
     defaults, parameters, sources = _resolve(project, chapter, profile, overrides)
     declaration = project.declaration(chapter)
     work = project.build_dir / "tmp" / chapter
