@@ -38,11 +38,9 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from contextlib import ExitStack
-from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -54,7 +52,7 @@ from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Exits with code 2, saying so, if TRL is not installed.
-from grpo_step_vs_trl import CONFIG, Interleave, trl, trl_reward  # noqa: E402
+from grpo_step_vs_trl import CONFIG, interleaved_trl  # noqa: E402
 from rollout_throughput import SMOKE_SPEC, Stopwatch, plain_generate  # noqa: E402
 
 TARGETS = {"sampling": 2.0, "step": 1.3, "step / TRL": 0.5}
@@ -271,31 +269,8 @@ def _median_over_floor(records, column: int, passes: int, rate: float) -> tuple[
 def _interleave_with_trl(spec, config, prompts, golds, ours, steps: int) -> float:
     """Median CPU seconds of TRL's step, timed as `grpo_step_vs_trl.py` times it, `ours(step)`
     run after each of its steps."""
-    from datasets import Dataset
-    from transformers import PrinterCallback
-
-    from grpo_companion.lm.trl_engine import trl_config
-
-    trl_model, tokenizer = load_tiny_llama(spec, progress=False)
-    interleave = Interleave(ours)
-    with tempfile.TemporaryDirectory() as output_dir:
-        runner = trl.GRPOTrainer(
-            model=trl_model,
-            reward_funcs=trl_reward,
-            args=trl_config(
-                replace(config, max_steps=steps),
-                output_dir,
-                shuffle_dataset=False,
-                optim="adamw_torch",
-                top_p=1.0,
-                top_k=0,
-            ),  # fmt: skip
-            train_dataset=Dataset.from_dict({"prompt": prompts, "gold": golds}),
-            processing_class=tokenizer,
-            callbacks=[interleave],
-        )
-        runner.remove_callback(PrinterCallback)
-        runner.train()
+    _, tokenizer = load_tiny_llama(spec, progress=False)
+    interleave = interleaved_trl(spec, config, prompts, golds, tokenizer, ours, steps)
     return statistics.median(cpu for _, cpu in interleave.times["TRL"][1:])
 
 

@@ -137,6 +137,35 @@ class Interleave(TrainerCallback):
         return lap
 
 
+def interleaved_trl(spec, config, prompts, golds, tokenizer, ours, steps: int) -> "Interleave":
+    """TRL's `GRPOTrainer` on its own copy of `spec`'s policy for `steps` steps, `ours(step)`
+    run after each of its steps; returns the `Interleave` holding both sides' times."""
+    trl_model, _ = load_tiny_llama(spec, progress=False)
+    interleave = Interleave(ours)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = trl.GRPOTrainer(
+            model=trl_model,
+            reward_funcs=trl_reward,
+            # The book's TRL engine's settings (`trl_engine.trl_config`), plus what the timing
+            # needs: step k answers the prompts of our step k (no shuffling), and
+            # torch.optim.AdamW as ours (TRL's default is its fused variant).
+            args=trl_config(
+                replace(config, max_steps=steps),
+                output_dir,
+                shuffle_dataset=False,
+                optim="adamw_torch",
+                top_p=1.0,
+                top_k=0,
+            ),  # fmt: skip
+            train_dataset=Dataset.from_dict({"prompt": prompts, "gold": golds}),
+            processing_class=tokenizer,
+            callbacks=[interleave],
+        )
+        trainer.remove_callback(PrinterCallback)  # it prints every step's metrics
+        trainer.train()
+    return interleave
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps of each side")
@@ -181,31 +210,9 @@ def main():
             gsm8k.reward,
         )
 
-    trl_model, _ = load_tiny_llama(spec, progress=False)
-    interleave = Interleave(ours)
-    with tempfile.TemporaryDirectory() as output_dir:
-        trainer = trl.GRPOTrainer(
-            model=trl_model,
-            reward_funcs=trl_reward,
-            # The book's TRL engine's settings (`trl_engine.trl_config`), plus what the timing
-            # needs: step k answers the prompts of our step k (no shuffling), and
-            # torch.optim.AdamW as ours (TRL's default is its fused variant).
-            args=trl_config(
-                replace(config, max_steps=steps),
-                output_dir,
-                shuffle_dataset=False,
-                optim="adamw_torch",
-                top_p=1.0,
-                top_k=0,
-            ),  # fmt: skip
-            train_dataset=Dataset.from_dict({"prompt": prompts, "gold": golds}),
-            processing_class=tokenizer,
-            callbacks=[interleave],
-        )
-        trainer.remove_callback(PrinterCallback)  # it prints every step's metrics
-        load_before = os.getloadavg()
-        trainer.train()
-        load_after = os.getloadavg()
+    load_before = os.getloadavg()
+    interleave = interleaved_trl(spec, config, prompts, golds, tokenizer, ours, steps)
+    load_after = os.getloadavg()
 
     parameters = sum(p.numel() for p in model.parameters())
     print(
