@@ -111,6 +111,17 @@ def reward(completion: str, gold: str, mode: str = "strict") -> float:
     return float(predicted is not None and _canonical(predicted) == _canonical(gold_number))
 
 
+def graded_reward(completion: str, gold: str) -> float:
+    """A continuous reward in [0, 1]: 1 / (1 + |x - gold| / max(1, |gold|)) for the last number
+    x of the completion (`extract_answer(..., "flexible")`), 0 if it has none. Exact
+    answers get 1, and being close is worth more than being far."""
+    answer = extract_answer(completion, "flexible")
+    if answer is None:
+        return 0.0
+    target = float(gold)
+    return 1 / (1 + abs(float(answer) - target) / max(1.0, abs(target)))
+
+
 def _derived_seed(seed: int, source: str, split: str) -> int:
     # A hash, not seed + offset: reasoning-gym seeds item i with Random(seed + i), so nearby
     # seeds would share items.

@@ -103,6 +103,17 @@ def step_rewards(
     return rewards, ends
 
 
+def ternary_reward(completion: str, answer_field: str, mode: str = "strict") -> float:
+    """1 for a right answer (`gsm8k.reward` in `mode`), 1/2 for a wrong one whose first worked
+    line is the reference's (`step_rewards`: partial progress), 0 otherwise.
+    `answer_field`: the problem's GSM8K-schema answer, worked lines then "#### N"; one without
+    worked lines (the real GSM8K's prose) gives no middle level."""
+    rewards, _ = step_rewards(completion, answer_field, mode)
+    if rewards[-1] == 1:
+        return 1.0
+    return 0.5 if len(rewards) > 1 and rewards[0] == 1 else 0.0
+
+
 def step_token_ends(tokenizer, completion_ids: list[int], char_ends: list[int]) -> list[int]:
     """The index of the token that holds the last character before each of `char_ends`.
 

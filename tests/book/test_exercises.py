@@ -33,6 +33,7 @@ from grpo_companion.chapters.group_size.budget import (
 )
 from grpo_companion.chapters.grpo_loss.kl import kl_divergence, kl_estimator_moments
 from grpo_companion.chapters.grpo_loss.loss import batch_loss, first_step_loss, length_bias_group
+from grpo_companion.chapters.rank import groups as rank_groups
 from grpo_companion.chapters.rank import measure as rank
 from grpo_companion.chapters.rank import verdict as rank_verdict
 from grpo_companion.chapters.sparsity.rate import iid_degenerate_rate
@@ -224,11 +225,11 @@ def _sequence_policy_classes(group_sizes, sequence_prompts):
     largest probability of one sequence under the late policy."""
     policy = SequencePolicy(vocab_size=3, length=3)
     initial = policy.init_logits(seed=0, scale=1.0)
-    tables = rank.sequence_reward_tables(policy, 0)
+    tables = rank_groups.sequence_reward_tables(policy, 0)
     late = initial.clone()
     for _ in range(30):
         late += 2.0 * policy.exact_gradient(late, tables["binary"]).view_as(late)
-    frame, _ = rank.sequence_policy_ranks(
+    frame, _ = rank_groups.sequence_policy_ranks(
         policy, {"early": initial, "late": late}, tables, group_sizes, sequence_prompts, 1, seed=1
     )
     by = ["model", "stage", "reward", "candidate", "group_size"]
@@ -328,11 +329,11 @@ def test_07_exercise_3_a_thresholded_random_reward_caps_only_the_level_sums_at_2
         advantages = group_advantages(rewards[None], "grpo")[0]
         ranks = {
             name: torch.linalg.matrix_rank(matrix).item()
-            for name, matrix in rank.candidate_matrices(scores, rewards, advantages).items()
+            for name, matrix in rank_groups.candidate_matrices(scores, rewards, advantages).items()
         }
         assert ranks == {"scores": 8, "weighted": 8, "level_sums": 2}
         gradient = (advantages[:, None] * scores).sum(dim=0)
-        level_sums = rank.class_sums(scores, rewards)
+        level_sums = rank_groups.class_sums(scores, rewards)
         coefficients = torch.linalg.lstsq(level_sums.T, gradient[:, None]).solution
         assert level_sums.T @ coefficients[:, 0] == pytest.approx(gradient, abs=1e-10)
 

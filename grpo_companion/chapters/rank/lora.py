@@ -1,31 +1,21 @@
 r"""Chapter 7, section 10: LoRA adapters of rank r against full fine-tuning under GRPO.
 
-A LoRA adapter (Hu et al. 2021, through `peft`) freezes a weight W (out, in) and trains
+A LoRA adapter (`peft`) freezes a weight W (out, in) and trains W' = W + s B A, A (r, in)
+random, B (out, r) = 0 at the start, s = alpha / r, so the adapted model starts as the base
+model. Every attention and MLP projection gets one (`accumulated.LAYER_TYPES`, as in "LoRA
+Without Regret" and TRL's `peft_config` examples); embeddings, norms and the head stay frozen.
 
-    W' = W + s B A,        A (r, in) random,  B (out, r) = 0 at the start,  s = alpha / r,
+The same GRPO step: `trainer.grpo_step` steps every parameter with a gradient, and a LoRA
+model's loss is that of its merged weights W', so dL/dB = s (dL/dW') A^T and
+dL/dA = s B^T (dL/dW') (`lora_chain_rule`, checked on a step of the trainer).
 
-so the adapted model starts as the base model. Every attention and MLP projection gets one
-(`accumulated.LAYER_TYPES`: all layers, as in "LoRA Without Regret" and TRL's `peft_config`
-examples); embeddings, norms and the output head stay frozen.
+The comparison: every arm (full fine-tuning; each rank) trains from the same warm start with
+the same settings, steps and paired seeds (the same rollout budget), at its own learning rate
+chosen on validation problems over tuning seeds (`tuning_choice`); then the held-out gain and
+each adapter's paired difference from full fine-tuning, with a Student-t interval over seeds
+(`comparison_records`). The section's text gives the prediction and the related results.
 
-The same GRPO step. `trainer.grpo_step` computes the loss of the model it is given and AdamW
-steps every parameter with a gradient. A LoRA model's loss is that of its merged weights W', so
-by the chain rule
-
-    dL/dB = s (dL/dW') A^T,        dL/dA = s B^T (dL/dW')                 (`lora_chain_rule`)
-
-with dL/dW' the gradient `grpo_step` computes for the merged model on the same rollouts
-(tests/chapters/rank/test_lora.py checks it on a step of the trainer). At the start (B = 0)
-only B moves: the full gradient's projection on the r rows of A.
-
-The comparison. Each arm (full fine-tuning; adapters of each rank) trains from the same warm
-start with the same GRPO settings, steps and seeds: the same rollout budget, and the seeds pair
-the arms (the same prompts in the same order; at the first step the same rollouts, as every
-arm starts as the same function). Each arm's learning rate is chosen from its own grid on
-validation problems (training-split problems no run trains on) over tuning seeds
-(`tuning_choice`); the comparison then measures the held-out gain (greedy accuracy on test
-problems after training minus before) on other seeds, and each adapter's paired difference from
-full fine-tuning with a Student-t interval over seeds (`comparison_records`).
+Chapter: :doc:`/book/07_rank`
 """
 
 import warnings

@@ -1,10 +1,10 @@
 r"""Chapter 7's tables read: summaries of the measured ranks, their records, and the verdict.
 
-Every function takes the tables of `rank` (`group_rank_frame`, `group_gradient_ranks` rows,
-`measure` results) or their summary (`summarise_ranks`) and returns a smaller table, record
-values or the verdict's text. The intervals the ledger reads come from a bootstrap over prompts,
-`grpo_companion.chapters.rank.bootstrap`. The verdict's classes keep the paper's letter for the
-group size ("grows with R").
+Every function takes the tables of `groups` and `measure` (`group_rank_frame`,
+`group_gradient_ranks` rows, `measure` results) or their summary (`summarise_ranks`) and
+returns a smaller table, record values or the verdict's text. The intervals the ledger reads
+come from a bootstrap over prompts, `grpo_companion.chapters.rank.bootstrap`. The verdict's
+classes keep the paper's letter for the group size ("grows with R").
 
 Chapter: :doc:`/book/07_rank`
 """

@@ -16,31 +16,33 @@ from grpo_companion.chapters.rank.bootstrap import (
     prompt_weights,
     resampled_means,
 )
-from grpo_companion.chapters.rank.measure import (
+from grpo_companion.chapters.rank.factorial import (
+    factorial_advantages,
+    factorial_frame,
+    factorial_grams,
+    level_mixing,
+    near_miss_reward,
+    sequence_factorial,
+)
+from grpo_companion.chapters.rank.groups import (
     GROUP_CANDIDATES,
     candidate_matrices,
     centroid_coefficient,
     centroid_difference,
     class_sums,
     disjoint_groups,
-    factorial_advantages,
-    factorial_frame,
-    factorial_grams,
-    graded_reward,
     group_candidate_grams,
     group_gradient_gram,
     group_gradient_ranks,
-    group_loss,
     group_rank_frame,
-    level_mixing,
-    measure,
     mechanism,
-    near_miss_reward,
     reward_levels,
-    sequence_factorial,
     sequence_policy_ranks,
     sequence_reward_tables,
-    ternary_reward,
+)
+from grpo_companion.chapters.rank.measure import (
+    group_loss,
+    measure,
 )
 from grpo_companion.chapters.rank.plots import (
     plot_factorial,
@@ -71,7 +73,8 @@ from grpo_companion.core.group_estimators import group_gradient
 from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
 from grpo_companion.core.spectra import effective_rank, gram_singular_values, weighted_gram
 from grpo_companion.lm.gradients import score_rows
-from grpo_companion.lm.gsm8k import load_gsm8k
+from grpo_companion.lm.gsm8k import graded_reward, load_gsm8k
+from grpo_companion.lm.steps import ternary_reward
 
 matplotlib.use("Agg")
 
