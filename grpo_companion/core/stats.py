@@ -113,6 +113,14 @@ def slope_of_means(x, means, standard_errors, confidence: float = 0.95) -> dict:
 SUPPORTS, UNDECIDED, CONTRADICTS = 1, 0, -1
 
 
+def grid_choice(grid, scores) -> dict:
+    """The value of `grid` (ascending) with the highest of `scores` (one per value; the first,
+    lowest, value wins a tie): "value", "index", and "inside", whether it lies strictly inside
+    the grid (an optimum at an end may lie beyond it)."""
+    best = int(np.argmax(scores))
+    return {"value": grid[best], "index": best, "inside": 0 < best < len(grid) - 1}
+
+
 def interval_reading(low, high, predicted) -> int:
     """How a 95% interval [low, high] of an effect reads against the effect `predicted` for this
     setting (non-zero; its sign is the direction the claim predicts). SUPPORTS (1): the interval

@@ -35,7 +35,7 @@ from grpo_companion.chapters.rank.accumulated import (
     top_share,
     truncated_weights,
 )
-from grpo_companion.core.stats import interval_words, mean_interval
+from grpo_companion.core.stats import grid_choice, interval_words, mean_interval
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
@@ -245,9 +245,9 @@ def tuning_choice(results: dict, grids: dict[str, list[float]]) -> dict:
             )
             for value in grid
         ]
-        best = int(np.argmax(means))
-        choice[arm] = {"learning_rate": grid[best], "index": best,
-                       "inside": 0 < best < len(grid) - 1, "means": means}  # fmt: skip
+        best = grid_choice(grid, means)
+        choice[arm] = {"learning_rate": best["value"], "index": best["index"],
+                       "inside": best["inside"], "means": means}  # fmt: skip
     return choice
 
 

@@ -78,6 +78,17 @@ def easy_problems(
     return candidates.select(chosen.tolist()), records
 
 
+def validation_problems(train_data, *, num_candidates: int, num_prompts: int, seed: int):
+    """`num_prompts` generated arithmetic training-split problems that `train_data` does not
+    hold: the ones after the first `num_candidates` (those the selection probe drew from)."""
+    pool = gsm8k.load_gsm8k(
+        "train", source="arithmetic", num_examples=num_candidates + num_prompts, seed=seed
+    )
+    trained = set(train_data["question"])
+    rows = [i for i, question in enumerate(pool["question"]) if question not in trained]
+    return pool.select(rows[-num_prompts:])
+
+
 def easy_runs(
     load_model, tokenizer, problems, eval_data, config: GRPOConfig, seeds, *,
     probe_every: int, probe_samples: int, run_dir: str | Path, model_key: str,

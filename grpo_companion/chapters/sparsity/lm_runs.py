@@ -18,6 +18,7 @@ from grpo_companion.chapters.sparsity.rate import (
     gradient_share,
     iid_degenerate_rate,
 )
+from grpo_companion.chapters.sparsity.sign import seeds_for_power
 from grpo_companion.core.advantages import (
     degenerate_fractions,
     group_advantages,
@@ -26,7 +27,7 @@ from grpo_companion.core.advantages import (
 )
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
-from grpo_companion.core.stats import interval_words, metric_by_step, seed_band
+from grpo_companion.core.stats import grid_choice, interval_words, metric_by_step, seed_band
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import Rollouts
@@ -156,11 +157,83 @@ def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, method
 
     def run(key):
         name, seed = key
-        config = GRPOConfig(**grpo, seed=seed, **methods[name])
+        config = GRPOConfig(**{**grpo, **methods[name]}, seed=seed)
         return train(load_model(), tokenizer, train_data, eval_data, config, progress=False,
                      initial_accuracy=initial_accuracy)  # fmt: skip
 
     return map_runs(run, [(name, seed) for name in methods for seed in seeds], workers=workers)
+
+
+def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_data, grpo: dict,
+                      methods: dict, learning_rates, tune_seeds, eval_seeds, *,
+                      initial_validation: float, initial_test: float) -> tuple:  # fmt: skip
+    """Each method at its own tuned learning rate, then compared on other seeds.
+
+    Tuning: every method at every rate of `learning_rates` on `tune_seeds`, held-out accuracy on
+    `validation_data` (problems no run trains on); each method takes the rate with the highest
+    mean final validation accuracy (`core.stats.grid_choice`). Comparison: every method at its
+    rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`.
+    Returns (histories of the comparison, as `remedy_runs`; choice: method -> {"learning_rate",
+    "index", "inside", "means": the mean final validation accuracy at each rate}).
+    """
+    grid = {(name, rate): {**methods[name], "learning_rate": rate}
+            for name in methods for rate in learning_rates}  # fmt: skip
+    tuning = remedy_runs(load_model, tokenizer, train_data, validation_data, grpo, grid, tune_seeds,
+                         initial_accuracy=initial_validation)  # fmt: skip
+    choice = {}
+    for name in methods:
+        means = [float(np.mean([h[-1]["eval_accuracy"] for (arm, _), h in tuning.items()
+                                if arm == (name, rate)])) for rate in learning_rates]  # fmt: skip
+        best = grid_choice(list(learning_rates), means)
+        choice[name] = {"learning_rate": best["value"], "index": best["index"],
+                        "inside": best["inside"], "means": means}  # fmt: skip
+    chosen = {name: {**methods[name], "learning_rate": choice[name]["learning_rate"]}
+              for name in methods}  # fmt: skip
+    histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
+                            initial_accuracy=initial_test)  # fmt: skip
+    return histories, choice
+
+
+def tuning_records(choice: dict) -> dict:
+    """The records of `tuned_remedy_runs`' choice: "<m>_learning_rate", "<m>_lr_inside" (1 or
+    0) per method, and "remedy_lr_inside", 1 when every method's optimum lies inside the grid."""
+    records = {}
+    for name, chosen in choice.items():
+        records[f"{name}_learning_rate"] = chosen["learning_rate"]
+        records[f"{name}_lr_inside"] = int(chosen["inside"])
+    records["remedy_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
+    return records
+
+
+def paired_differences(histories: dict, method: str, reference: str) -> np.ndarray:
+    """Per seed, `method`'s final held-out accuracy minus `reference`'s, (num_seeds,)."""
+    final = {
+        name: runs_of(histories, name, "eval_accuracy")[1][:, -1] for name in (method, reference)
+    }
+    return final[method] - final[reference]
+
+
+def power_records(histories: dict, methods, reference: str, predicted: dict, num_pilot: int):
+    """Power before seeds for each method's paired difference from `reference`: "<m>_pilot_sd"
+    (SD of the first `num_pilot` seeds' differences), "<m>_seeds_needed" for 80% power at the
+    predicted difference (`sign.seeds_for_power`; None when the prediction is 0, an effect no
+    number of seeds can size), "<m>_seeds_run" and "<m>_power_words", the sentence."""
+    records = {}
+    for name in [name for name in methods if name != reference]:
+        differences = paired_differences(histories, name, reference)
+        sd = float(np.std(differences[:num_pilot], ddof=1))
+        records[f"{name}_pilot_sd"] = sd
+        needed = seeds_for_power(sd, predicted[name]) or None
+        records[f"{name}_seeds_needed"] = needed
+        records[f"{name}_seeds_run"] = len(differences)
+        records[f"{name}_power_words"] = (
+            f"{needed} seeds for 80% power at the predicted difference of {predicted[name]:+.3f}, "
+            f"against the {len(differences)} run"
+            if needed
+            else "no number of seeds: the predicted difference is 0 (the reference arm's held-out "
+            "gain was not above 0, so the prediction scales nothing)"
+        )
+    return records
 
 
 def runs_of(histories: dict, method: str, metric: str) -> tuple[np.ndarray, np.ndarray]:

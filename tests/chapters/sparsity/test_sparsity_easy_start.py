@@ -144,3 +144,15 @@ def test_the_figure_draws_every_seed_and_the_prediction():
     start = table["degenerate_first"].mean()
     np.testing.assert_allclose(degenerate.lines[-1].get_ydata(), [start, start + 0.3])
     plt.close(fig)
+
+
+def test_validation_problems_are_training_split_problems_the_training_set_does_not_hold():
+    from grpo_companion.chapters.sparsity.easy_start import validation_problems
+    from grpo_companion.lm.gsm8k import load_gsm8k
+
+    candidates = load_gsm8k("train", source="arithmetic", num_examples=10, seed=3)
+    train = candidates.select([1, 4, 7])
+    validation = validation_problems(train, num_candidates=10, num_prompts=5, seed=3)
+    assert len(validation) == 5
+    assert not set(validation["question"]) & set(train["question"])
+    assert not set(validation["question"]) & set(candidates["question"])

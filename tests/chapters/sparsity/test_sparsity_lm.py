@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama_batch import one_layer_llama
 
 from grpo_companion.chapters.sparsity.lm_runs import (
     batch_sparsity,
@@ -61,16 +61,7 @@ def test_batch_sparsity_hand_built():
 
 
 def test_gradient_split_on_a_tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=20,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config).double().eval()
+    model = one_layer_llama()
     batch = hand_built_rollouts()
     records, table = gradient_split(model, batch)
     assert set(records) == {
@@ -219,3 +210,64 @@ def test_remedy_runs_train_every_method_on_every_seed_from_a_fresh_copy(random_t
     )  # fmt: skip
     assert list(histories) == [("grpo", 0), ("grpo", 1), ("sign", 0), ("sign", 1)]
     assert all(history[0]["eval_accuracy"] == 0.0 for history in histories.values())
+
+
+def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_seeds(monkeypatch):
+    from grpo_companion.chapters.sparsity import lm_runs
+
+    calls = []
+    best = {"dr_grpo": 3e-5, "sign": 1e-4}
+
+    def fake_remedy_runs(load_model, tokenizer, train, evaluation, grpo, methods, seeds, *,
+                         initial_accuracy):  # fmt: skip
+        calls.append((evaluation, dict(methods), list(seeds), initial_accuracy))
+        return {
+            (name, seed): [
+                {"step": 0, "eval_accuracy": initial_accuracy},
+                {"step": 2, "eval_accuracy": 0.5 - abs(np.log10(overrides["learning_rate"])
+                                                       - np.log10(best[overrides["method"]]))
+                 + 0.01 * seed},
+            ]
+            for name, overrides in methods.items()
+            for seed in seeds
+        }  # fmt: skip
+
+    monkeypatch.setattr(lm_runs, "remedy_runs", fake_remedy_runs)
+    methods = {"dr_grpo": {"method": "dr_grpo"}, "sign": {"method": "sign"}}
+    histories, choice = lm_runs.tuned_remedy_runs(
+        None, None, "train", "validation", "test", {"max_steps": 2}, methods, [1e-5, 3e-5, 1e-4],
+        [1000], [0, 1], initial_validation=0.1, initial_test=0.2,
+    )  # fmt: skip
+    (tune_data, grid, tune_seeds, tune_start), (data, chosen, seeds, start) = calls
+    assert (tune_data, tune_seeds, tune_start) == ("validation", [1000], 0.1)
+    assert len(grid) == 6 and grid[("sign", 1e-5)] == {"method": "sign", "learning_rate": 1e-5}
+    assert (data, seeds, start) == ("test", [0, 1], 0.2)
+    assert chosen == {name: {**methods[name], "learning_rate": best[name]} for name in methods}
+    assert choice["dr_grpo"]["inside"] and not choice["sign"]["inside"]
+    expected = [10.5 - np.log10(3), 10.5, 10.5 - np.log10(10 / 3)]  # + 0.01 x tuning seed 1000
+    assert choice["dr_grpo"]["means"] == pytest.approx(expected)
+    records = lm_runs.tuning_records(choice)
+    assert records == {"dr_grpo_learning_rate": 3e-5, "dr_grpo_lr_inside": 1,
+                       "sign_learning_rate": 1e-4, "sign_lr_inside": 0,
+                       "remedy_lr_inside": 0}  # fmt: skip
+    assert list(histories) == [("dr_grpo", 0), ("dr_grpo", 1), ("sign", 0), ("sign", 1)]
+
+
+def test_power_records_size_seeds_from_the_pilot_and_refuse_a_zero_prediction():
+    from grpo_companion.chapters.sparsity.lm_runs import paired_differences, power_records
+    from grpo_companion.chapters.sparsity.sign import seeds_for_power
+
+    np.testing.assert_allclose(paired_differences(RISING, "sign", "grpo"), [0.2, 0.2, 0.3])
+    records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.1}, num_pilot=2)
+    sd = float(np.std([0.2, 0.2], ddof=1))  # the first two seeds' differences
+    assert records["sign_pilot_sd"] == pytest.approx(sd)
+    assert records["sign_seeds_needed"] == seeds_for_power(sd, 0.1) == 2
+    assert records["sign_seeds_run"] == 3
+    records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.0}, num_pilot=3)
+    assert records["sign_seeds_needed"] is None
+    assert records["sign_power_words"].startswith("no number of seeds")
+    sd = float(np.std([0.2, 0.2, 0.3], ddof=1))
+    needed = math.ceil(((stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) * sd / 0.01) ** 2)
+    records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.01}, num_pilot=3)
+    assert records["sign_seeds_needed"] == needed > 3
+    assert records["sign_power_words"].startswith(f"{needed} seeds for 80% power")
