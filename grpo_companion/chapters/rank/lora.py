@@ -35,7 +35,7 @@ from grpo_companion.chapters.rank.accumulated import (
     top_share,
     truncated_weights,
 )
-from grpo_companion.core.stats import grid_choice, interval_words, mean_interval
+from grpo_companion.core.stats import grid_choice, mean_interval
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
@@ -257,22 +257,26 @@ def paired_accuracies(results: dict, arm: str) -> dict[int, float]:
 
 
 def comparison_records(results: dict, arms: list[str], initial_accuracy: float,
-                       predicted: dict[str, float], margin: float,
+                       top_shares: dict[str, float],
                        confidence: float = 0.95) -> tuple[dict, pd.DataFrame]:  # fmt: skip
     """The comparison's numbers, keys "lora_<arm>_..." (`arm_name`: full, r1, ...), and a table
     by arm.
 
     Per arm: "_gain" (held-out accuracy after training minus `initial_accuracy`, mean over the
     evaluation seeds) with "_gain_low", "_gain_high" (its t interval). Per adapter (every arm but
-    full), paired by seed: "_minus_full" (+ "_low", "_high", "_sd"), and "_minus_full_words",
-    the interval read against the adapter's predicted difference `predicted[arm]`
-    (`core.stats.interval_words`). "lora_seeds_run"; "lora_seeds_needed_<arm>" (`seeds_for_margin`
-    at the measured sd and `margin`).
+    full), paired by seed: "_minus_full" (+ "_low", "_high", "_sd"); the rank model's predicted
+    difference "predicted_lora_<arm>_minus_full", `predicted_difference` from the adapter's
+    energy share `top_shares[arm]` (recorded before the runs) and full fine-tuning's measured
+    gain; its margin (minus that) and decision point (half way to 0), "lora_<arm>_margin" and
+    "lora_<arm>_decision_point"; "_minus_full_words", the interval read against the decision
+    point (`margin_words`, without the gates); "lora_seeds_needed_<arm>" (`seeds_for_margin`
+    at the measured sd and half the margin). "lora_seeds_run".
     """
     records, rows = {}, []
     reference = paired_accuracies(results, FULL)
     seeds = sorted(reference)
     records["lora_seeds_run"] = len(seeds)
+    full_gain = float(np.mean([reference[s] - initial_accuracy for s in seeds]))
     for arm in arms:
         accuracy = paired_accuracies(results, arm)
         gain = mean_interval([accuracy[s] - initial_accuracy for s in seeds], confidence)
@@ -284,52 +288,63 @@ def comparison_records(results: dict, arms: list[str], initial_accuracy: float,
             values = [accuracy[s] - reference[s] for s in seeds]
             difference = mean_interval(values, confidence)
             sd = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+            predicted = predicted_difference(top_shares[arm], full_gain)
             key = f"lora_{arm}_minus_full"
             records |= {key: difference["mean"], f"{key}_low": difference["low"],
-                        f"{key}_high": difference["high"], f"{key}_sd": sd}  # fmt: skip
-            records[f"{key}_words"] = interval_words(
-                difference["low"], difference["high"], predicted[arm],
-                supports="lies below 0: the adapter loses held-out gain against full fine-tuning",
-                contradicts="excludes the predicted loss: the adapter keeps more of the gain",
-            )  # fmt: skip
-            needed = seeds_for_margin(sd, margin, confidence=confidence)
+                        f"{key}_high": difference["high"], f"{key}_sd": sd,
+                        f"predicted_{key}": predicted, f"lora_{arm}_margin": -predicted,
+                        f"lora_{arm}_decision_point": predicted / 2}  # fmt: skip
+            records[f"{key}_words"] = reading_words(
+                difference["low"], difference["high"], -predicted
+            )
+            needed = seeds_for_margin(sd, -predicted / 2, confidence=confidence)
             records[f"lora_seeds_needed_{arm}"] = needed
             row |= {"minus full": difference["mean"], "difference low": difference["low"],
-                    "difference high": difference["high"], "predicted": predicted[arm]}  # fmt: skip
+                    "difference high": difference["high"], "predicted": predicted}  # fmt: skip
         rows.append(row)
     return records, pd.DataFrame(rows).set_index("arm")
 
 
 MARGIN_WORDS = {
+    "edge": "cannot decide: a chosen learning rate lies at an edge of its grid, so the arms' best "
+    "rates were not found",
     "no learning": "cannot decide: full fine-tuning, the reference, did not learn (its gain's "
     "interval does not lie above 0)",
-    "no margin": "cannot decide: the prediction gives no margin (no validation gain for full "
-    "fine-tuning to lose)",
+    "no margin": "cannot decide: the prediction gives no margin (no gain for full fine-tuning "
+    "to lose)",
     "none": "has no interval (fewer than two seeds), so it cannot decide",
-    "below": "lies below minus the margin: the adapter falls short of full fine-tuning by more "
-    "than the prediction allows",
-    "reaches": "holds 0 (or lies above it) and stays above minus the margin: the adapter reaches "
+    "below": "lies below the decision point, nearer the rank model's loss than the claim's 0: the "
+    "adapter falls short of full fine-tuning",
+    "reaches": "lies above the decision point and holds 0 (or lies above it): the adapter reaches "
     "full fine-tuning's gain",
-    "short": "lies below 0 but above minus the margin: measurably short of full fine-tuning, by "
-    "less than the prediction allows",
-    "wide": "reaches below minus the margin: it is too wide to say whether the adapter reaches "
-    "full fine-tuning's gain",
+    "short": "lies above the decision point but below 0: measurably short of full fine-tuning, by "
+    "less than half the rank model's loss, so the claim is neither reproduced nor contradicted",
+    "wide": "reaches across the decision point: too wide to tell the claim's 0 from the rank "
+    "model's loss",
 }
 
 
-def margin_words(low, high, margin: float, reference_gain_low) -> str:
+def reading_words(low, high, margin: float) -> str:
     """The paired interval [low, high] of adapter minus full fine-tuning read against the
-    margin -`margin`, in words (`MARGIN_WORDS`), after the ledger's gates: full fine-tuning
-    learned (`reference_gain_low`, its gain's lower end, above 0) and the margin is positive.
-    The ledger's rule for the claim that the adapter reaches full fine-tuning's gain."""
-    if reference_gain_low is None or not reference_gain_low > 0:
-        return MARGIN_WORDS["no learning"]
+    decision point -`margin` / 2, half way between the claim's difference (0) and the rank
+    model's (-`margin`), in words (`MARGIN_WORDS`)."""
     if not margin > 0:
         return MARGIN_WORDS["no margin"]
     if low is None or high is None or not (np.isfinite(low) and np.isfinite(high)):
         return MARGIN_WORDS["none"]
-    if high < -margin:
+    if high < -margin / 2:
         return MARGIN_WORDS["below"]
-    if low >= -margin:
+    if low > -margin / 2:
         return MARGIN_WORDS["reaches" if high >= 0 else "short"]
     return MARGIN_WORDS["wide"]
+
+
+def margin_words(low, high, margin: float, reference_gain_low, rates_inside: bool) -> str:
+    """The ledger's rule in words: its gates first (both arms' chosen rates strictly inside
+    their grids, `rates_inside`; full fine-tuning learned, `reference_gain_low`, its gain's
+    lower end, above 0), then `reading_words`."""
+    if not rates_inside:
+        return MARGIN_WORDS["edge"]
+    if reference_gain_low is None or not reference_gain_low > 0:
+        return MARGIN_WORDS["no learning"]
+    return reading_words(low, high, margin)

@@ -172,12 +172,14 @@ def plot_stable_rank_by_k(table: pd.DataFrame) -> Figure:
 # --- section 10: rank in practice --------------------------------------------------------------
 
 
-def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict, margin: float) -> Figure:
+def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict,
+                         start: float | None = None) -> Figure:  # fmt: skip
     """Three panels: the validation accuracy of each arm against its learning-rate grid (the
-    chosen rate circled; `lora.tuning_choice`), the held-out gain of each arm with its t
-    interval over seeds, and each adapter's paired difference from full fine-tuning with its
-    interval, its predicted difference (x) and the margin -`margin` (dashed). `table` is
-    `lora.comparison_records`' table; legends outside the panels."""
+    chosen rate circled; `lora.tuning_choice`; the warm start's, `start`, dotted), the held-out
+    gain of each arm with its t interval over seeds, and each adapter's paired difference from
+    full fine-tuning with its interval, the rank model's predicted difference (x) and the
+    decision point half way to 0 (a bar). `table` is `lora.comparison_records`' table; legends
+    outside the panels."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), gridspec_kw={"wspace": 0.35})
     fig.subplots_adjust(left=0.06, right=0.8, bottom=0.16, top=0.88)
     tune, gains, differences = axes
@@ -188,6 +190,8 @@ def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict, margin:
         tune.plot(grid, means, marker=marker, ls=style, color=f"C{i}", label=arm)
         best = choice[arm]["index"]
         tune.plot(grid[best], means[best], "o", ms=14, mfc="none", color=f"C{i}")
+    if start is not None:
+        tune.axhline(start, color="k", ls=":", lw=1, label="warm start")
     tune.set(xscale="log", xlabel="learning rate", ylabel="validation accuracy after training",
              title="choosing each arm's rate (circled)")  # fmt: skip
     arms = list(table.index)
@@ -209,9 +213,11 @@ def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict, margin:
     high = (adapters["difference high"].astype(float) - adapters["minus full"]).fillna(0)
     ax.errorbar(position, adapters["minus full"], yerr=[low.clip(lower=0), high.clip(lower=0)],
                 fmt="o", color="k", capsize=4, label="measured, paired by seed")  # fmt: skip
-    ax.plot(position, adapters["predicted"], "x", color="C4", ms=10, mew=2, label="predicted")
+    ax.plot(position, adapters["predicted"], "x", color="C4", ms=10, mew=2,
+            label="rank model's prediction")  # fmt: skip
+    ax.plot(position, adapters["predicted"] / 2, "_", color="C7", ms=24, mew=2,
+            label="decision point (half way to 0)")  # fmt: skip
     ax.axhline(0, color="k", lw=0.8)
-    ax.axhline(-margin, color="C7", ls="--", label=f"minus the margin ({margin:.3f})")
     ax.set(xticks=position, xticklabels=list(adapters.index), ylabel="adapter minus full",
            title="difference from full fine-tuning")  # fmt: skip
     handles = [h for ax in (tune, differences) for h in ax.get_legend_handles_labels()[0]]
@@ -223,7 +229,10 @@ def plot_lora_comparison(choice: dict, table: pd.DataFrame, grids: dict, margin:
 
 
 # How each matrix is drawn in `plot_accumulated_update`.
-UPDATE_STYLE = {"accumulated": ("C3", r"$W_t - W_0$"), "gradient": ("C0", r"step gradient $G_t$")}
+UPDATE_STYLE = {
+    "accumulated": ("C3", r"$W_t - W_0$"),
+    "gradient": ("C0", r"step gradient $\nabla_W L_t$"),
+}
 
 
 def plot_accumulated_update(frame: pd.DataFrame, spectra: dict[str, np.ndarray],

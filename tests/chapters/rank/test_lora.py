@@ -192,14 +192,19 @@ def test_seeds_for_margin_is_the_smallest_n_with_the_power():
 
 
 def test_margin_words_follow_the_ledgers_rule():
+    """Margin 0.04: the decision point is -0.02, half way to the rank model's -0.04."""
     words = lora.MARGIN_WORDS
-    assert lora.margin_words(-0.01, 0.02, 0.02, 0.03) == words["reaches"]
-    assert lora.margin_words(-0.015, -0.005, 0.02, 0.03) == words["short"]
-    assert lora.margin_words(-0.06, 0.04, 0.02, 0.03) == words["wide"]
-    assert lora.margin_words(-0.11, -0.05, 0.02, 0.03) == words["below"]
-    assert lora.margin_words(None, None, 0.02, 0.03) == words["none"]
-    assert lora.margin_words(-0.01, 0.02, 0.02, -0.01) == words["no learning"]  # gates first
-    assert lora.margin_words(-0.01, 0.02, 0.0, 0.03) == words["no margin"]
+    assert lora.margin_words(-0.01, 0.02, 0.04, 0.03, True) == words["reaches"]
+    assert lora.margin_words(-0.015, -0.005, 0.04, 0.03, True) == words["short"]
+    assert lora.margin_words(-0.06, 0.04, 0.04, 0.03, True) == words["wide"]
+    assert lora.margin_words(-0.11, -0.05, 0.04, 0.03, True) == words["below"]
+    assert lora.margin_words(-0.03, -0.021, 0.04, 0.03, True) == words["below"]
+    assert lora.margin_words(None, None, 0.04, 0.03, True) == words["none"]
+    assert lora.margin_words(-0.01, 0.02, 0.04, -0.01, True) == words["no learning"]
+    assert lora.margin_words(-0.01, 0.02, 0.0, 0.03, True) == words["no margin"]
+    # the regime gate comes first, as in the ledger: an optimum at a grid's edge decides nothing
+    assert lora.margin_words(-0.01, 0.02, 0.04, 0.03, False) == words["edge"]
+    assert lora.margin_words(-0.01, 0.02, 0.04, -0.01, False) == words["edge"]
 
 
 def test_predicted_difference():
@@ -234,23 +239,32 @@ def test_comparison_records_pair_the_arms_by_seed():
     full, adapter = [0.30, 0.34, 0.28, 0.33], [0.31, 0.30, 0.29, 0.35]
     results = {("full", 1e-4, s): _result(a) for s, a in enumerate(full)}
     results |= {("r2", 1e-3, s): _result(a) for s, a in enumerate(adapter)}
-    records, table = lora.comparison_records(
-        results, ["full", "r2"], 0.25, {"r2": -0.02}, margin=0.02
-    )
+    records, table = lora.comparison_records(results, ["full", "r2"], 0.25, {"r2": 0.75})
     differences = np.subtract(adapter, full)
     expected = mean_interval(differences)
     assert records["lora_r2_minus_full"] == pytest.approx(expected["mean"])
     assert records["lora_r2_minus_full_low"] == pytest.approx(expected["low"])
     assert records["lora_r2_minus_full_sd"] == pytest.approx(np.std(differences, ddof=1))
     assert records["lora_full_gain"] == pytest.approx(np.mean(full) - 0.25)
+    # the rank model from the measured gain: -(1 - c_2) D, the decision point half way to 0
+    predicted = -(1 - 0.75) * (np.mean(full) - 0.25)
+    assert records["predicted_lora_r2_minus_full"] == pytest.approx(predicted)
+    assert records["lora_r2_margin"] == pytest.approx(-predicted)
+    assert records["lora_r2_decision_point"] == pytest.approx(predicted / 2)
     assert records["lora_seeds_run"] == 4
     needed = records["lora_seeds_needed_r2"]
-    assert needed == lora.seeds_for_margin(np.std(differences, ddof=1), 0.02)
-    assert records["lora_r2_minus_full_words"] == (
-        "can neither support nor contradict the predicted effect"
+    assert needed == lora.seeds_for_margin(np.std(differences, ddof=1), -predicted / 2)
+    assert records["lora_r2_minus_full_words"] == lora.reading_words(
+        expected["low"], expected["high"], -predicted
     )
     assert list(table.index) == ["full", "r2"]
-    assert table.loc["r2", "predicted"] == -0.02
+    assert table.loc["r2", "predicted"] == pytest.approx(predicted)
+    fell = {key: _result(0.2) for key in results if key[0] == "full"} | {
+        key: value for key, value in results.items() if key[0] == "r2"
+    }
+    records, _ = lora.comparison_records(fell, ["full", "r2"], 0.25, {"r2": 0.75})
+    assert records["lora_r2_margin"] == 0.0  # full fine-tuning lost: nothing to lose
+    assert records["lora_r2_minus_full_words"] == lora.MARGIN_WORDS["no margin"]
 
 
 def test_practice_runs_train_every_arm_and_track_full_fine_tuning(random_tiny, data):
@@ -308,8 +322,8 @@ def test_the_comparison_figure_keeps_its_legend_outside_the_panels():
     grids = {"full": [1e-5, 1e-4, 1e-3], "r1": [1e-4, 1e-3, 1e-2]}
     results = {("full", 1e-4, s): _result(a) for s, a in enumerate([0.3, 0.32])}
     results |= {("r1", 1e-2, s): _result(a) for s, a in enumerate([0.28, 0.33])}
-    _, table = lora.comparison_records(results, ["full", "r1"], 0.2, {"r1": -0.01}, 0.01)
-    figure = plots.plot_lora_comparison(choice, table, grids, margin=0.01)
+    _, table = lora.comparison_records(results, ["full", "r1"], 0.2, {"r1": 0.9})
+    figure = plots.plot_lora_comparison(choice, table, grids, start=0.2)
     assert len(figure.axes) == 3 and len(figure.legends) == 1
     legend = figure.legends[0].get_window_extent(figure.canvas.get_renderer())
     rightmost = max(ax.get_window_extent().x1 for ax in figure.axes)
