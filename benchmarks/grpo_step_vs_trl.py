@@ -72,24 +72,18 @@ except ImportError:
     sys.exit(2)
 import torch
 from datasets import Dataset
+from rollout_throughput import add_smoke_model_option, model_spec
 from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
-from grpo_companion.lm.tiny_llama import TinyLlamaSpec, load_tiny_llama
+from grpo_companion.lm.tiny_llama import load_tiny_llama
 from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
 from grpo_companion.lm.trl_engine import trl_config
 
 TARGET_RATIO = 1.0  # ours / TRL, median CPU seconds of a step
-# The smoke profile's tiny Llama (book/profiles.toml): a quick run of the benchmark itself.
-SMOKE_SPEC = {
-    "train_steps": 30,
-    "warmup_steps": 5,
-    "num_train_examples": 500,
-    "num_eval_examples": 8,
-}
 CONFIG = GRPOConfig(
     num_generations=8,
     per_step_prompts=16,
@@ -171,11 +165,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7, help="timed steps of each side")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--beta", type=float, default=CONFIG.beta)
-    parser.add_argument(
-        "--smoke-model",
-        action="store_true",
-        help="the smoke profile's tiny Llama (30 warm-start steps) instead of the default one",
-    )
+    add_smoke_model_option(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -184,7 +174,7 @@ def main():
     # transformers deprecates the `gradient_checkpointing` argument that TRL passes on.
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*gradient_checkpointing")
     config = replace(CONFIG, beta=args.beta)
-    spec = TinyLlamaSpec(**(SMOKE_SPEC if args.smoke_model else {}))
+    spec = model_spec(args.smoke_model)
     steps = args.repeats + 1  # the first step of each side is a warm-up
     data = gsm8k.load_gsm8k(
         "train", source="arithmetic", num_examples=steps * config.per_step_prompts, seed=0

@@ -52,6 +52,22 @@ SMOKE_SPEC = {
     "num_train_examples": 500,
     "num_eval_examples": 8,
 }
+
+
+def add_smoke_model_option(parser: argparse.ArgumentParser) -> None:
+    """`--smoke-model`, the benchmarks' choice of `model_spec`."""
+    parser.add_argument(
+        "--smoke-model",
+        action="store_true",
+        help="the smoke profile's tiny Llama (30 warm-start steps) instead of the default one",
+    )
+
+
+def model_spec(smoke: bool) -> TinyLlamaSpec:
+    """The benchmarks' tiny Llama: the book's default one, or the smoke profile's."""
+    return TinyLlamaSpec(**(SMOKE_SPEC if smoke else {}))
+
+
 # The parts of `generate_rollouts` timed in the breakdown: (module attribute, label).
 PARTS = [
     ("_tokenize_prompts", "tokenize prompts"),
@@ -137,16 +153,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--smoke-model",
-        action="store_true",
-        help="the smoke profile's tiny Llama (30 warm-start steps) instead of the default one",
-    )
+    add_smoke_model_option(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     transformers_logging.disable_progress_bar()
-    spec = TinyLlamaSpec(**(SMOKE_SPEC if args.smoke_model else {}))
+    spec = model_spec(args.smoke_model)
     model, tokenizer = load_tiny_llama(spec, progress=False)
     data = gsm8k.load_gsm8k("train", source="arithmetic", num_examples=NUM_PROMPTS, seed=0)
     prompts, golds = build_prompts(tokenizer, data)

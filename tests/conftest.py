@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
+from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec, warm_start
 from grpo_companion.machinery.pipeline import Project, build_html, execute_chapter
 
@@ -43,6 +44,14 @@ def random_tiny(one_thread):
     return model, tokenizer
 
 
+@pytest.fixture(scope="module")
+def arithmetic_prompts(random_tiny):
+    """(prompts, golds) of 3 arithmetic test problems (seed 1) in `random_tiny`'s chat format:
+    prompts of different lengths, so that a batch of them is left-padded."""
+    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
+    return build_prompts(random_tiny[1], data)
+
+
 def sum_mod_setup(vocab_size: int, length: int, seed: int, scale: float = 1.5):
     """(policy, logits, rewards): chapter 1's enumerable sequence policy at `init_logits(seed,
     scale)` with its sum-mod reward, the set-up most exact tests start from."""
@@ -55,6 +64,16 @@ def sum_mod_setup(vocab_size: int, length: int, seed: int, scale: float = 1.5):
 def sum_mod_policy():
     """`sum_mod_setup`, as a fixture: call it with (vocab_size, length, seed[, scale])."""
     return sum_mod_setup
+
+
+@pytest.fixture
+def close_figures():
+    """Close every matplotlib figure after the test (`pytest.mark.usefixtures` in a module of
+    figure tests)."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 def _git_status() -> str:

@@ -1,5 +1,7 @@
-"""The small float64 Llama and padded rollout batch that `test_gradients.py` and `test_rank.py`
-share: per-example gradients are checked on exactly this model and batch in both."""
+"""The small random Llamas of the tests, and the padded rollout batch that `test_gradients.py`
+and `test_rank.py` share: per-example gradients are checked on exactly this model and batch in
+both. `test_sampler.py` samples from the same shape in float32, the sparsity tests take a
+one-layer float64 one (`one_layer_llama`)."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -7,22 +9,40 @@ from transformers import LlamaConfig, LlamaForCausalLM
 VOCAB, PROMPT, COMPLETION, ROLLOUTS = 40, 5, 6, 5
 
 
-def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
-    """2 layers, hidden 32; the untied one has biases in attention and MLP."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def tiny_llama_config(**settings) -> LlamaConfig:
+    """2 layers, hidden 32, 4 query heads on 2 key-value heads, VOCAB tokens, padding id 0;
+    `settings` add to these or replace them."""
+    shape = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=tie,
         pad_token_id=0,
+    )
+    return LlamaConfig(**{**shape, **settings})
+
+
+def tiny_llama(tie: bool, seed: int = 0) -> LlamaForCausalLM:
+    """`tiny_llama_config` in float64; the untied one has biases in attention and MLP."""
+    torch.manual_seed(seed)
+    config = tiny_llama_config(
+        tie_word_embeddings=tie,
         attention_bias=not tie,
         mlp_bias=not tie,
         attn_implementation="eager",
     )
+    return LlamaForCausalLM(config).double().eval()
+
+
+def one_layer_llama(seed: int = 0, vocab_size: int = 20) -> LlamaForCausalLM:
+    """1 layer, hidden 16, 2 heads, padding id 0, in float64."""
+    torch.manual_seed(seed)
+    config = tiny_llama_config(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
     return LlamaForCausalLM(config).double().eval()
 
 

@@ -1,12 +1,14 @@
-"""Import `verl.trainer.ppo.core_algos` without verl's distributed stack.
+"""Import verl's modules (`verl.trainer.ppo.core_algos`, ...) without its distributed stack.
 
 verl's package ``__init__`` imports ``verl.protocol`` and with it ray, tensordict, codetiming and
-orjson, none of which the functions of ``core_algos`` that the tests call use. `import_core_algos`
-puts a bare stand-in module for each one that is not installed into ``sys.modules`` while verl's
-modules import, with only the names read at import time (found by importing verl 0.9.1 with each
-missing), and takes them out again afterwards, so that no other test sees a fake ray or tensordict.
+orjson, none of which the functions of ``core_algos`` and ``rollout_corr_helper`` that the tests
+call use. `import_verl_module` (`import_core_algos`) puts a bare stand-in module for each one that
+is not installed into ``sys.modules`` while verl's modules import, with only the names read at
+import time (found by importing verl 0.9.1 with each missing), and takes them out again
+afterwards, so that no other test sees a fake ray or tensordict.
 """
 
+import importlib
 import importlib.util
 import sys
 import types
@@ -31,19 +33,25 @@ def _stand_in(name: str, attributes: tuple[str, ...]) -> types.ModuleType:
 
 def import_core_algos():
     """verl's ``verl.trainer.ppo.core_algos`` module, imported with the stand-ins."""
-    if "verl.trainer.ppo.core_algos" in sys.modules:
-        return sys.modules["verl.trainer.ppo.core_algos"]
+    return import_verl_module("verl.trainer.ppo.core_algos")
+
+
+def import_verl_module(name: str) -> types.ModuleType:
+    """verl's module `name`, e.g. ``verl.trainer.ppo.rollout_corr_helper``, imported with the
+    stand-ins."""
+    if name in sys.modules:
+        return sys.modules[name]
     missing = {
         name: names
         for name, names in STAND_INS.items()
         if importlib.util.find_spec(name.partition(".")[0]) is None
     }
-    sys.modules.update({name: _stand_in(name, names) for name, names in missing.items()})
+    sys.modules.update({stood: _stand_in(stood, names) for stood, names in missing.items()})
     if "tensordict.tensorclass" in missing:
         sys.modules["tensordict"].tensorclass = sys.modules["tensordict.tensorclass"]
     try:
-        import verl.trainer.ppo.core_algos as core_algos
+        module = importlib.import_module(name)
     finally:
-        for name in missing:
-            del sys.modules[name]
-    return core_algos
+        for stood in missing:
+            del sys.modules[stood]
+    return module

@@ -290,17 +290,19 @@ def grpo_step(
 
     # pi_old: with several updates on the batch, the policy's log-probs before the first, from
     # the very pass the update makes (same micro-batches, same sharing), so that rho starts at
-    # exactly 1 as on-policy; with one update, the update's own (detached, below).
-    def log_probs_without_grad(policy) -> torch.Tensor:  # (B * G, T), 0 on filtered rows
+    # exactly 1 as on-policy; with one update, the update's own (detached, below). The sampler's
+    # log-probs come the same way: `log_probs_of` = `sampling_log_probs`, `extra` = (top_p,).
+    def log_probs_without_grad(policy, log_probs_of=sequence_log_probs, *extra) -> torch.Tensor:
         values = torch.zeros(completion_mask.shape, device=completion_mask.device)
-        with torch.no_grad():
+        with torch.no_grad():  # (B * G, T), 0 on filtered rows
             for batch in micro_batches:
-                values[batch] = sequence_log_probs(
+                values[batch] = log_probs_of(
                     policy,
                     input_ids[batch],
                     attention_mask[batch],
                     completion_mask[batch],
                     config.temperature,
+                    *extra,
                     num_generations=shared,
                 )
         return values
@@ -314,17 +316,7 @@ def grpo_step(
     # each token's policy loss times its weight (core.importance.weighted_advantages).
     loss_advantages = advantages
     if correcting:
-        sampled = torch.zeros(completion_mask.shape, device=completion_mask.device)
-        for batch in micro_batches:
-            sampled[batch] = sampling_log_probs(
-                model,
-                input_ids[batch],
-                attention_mask[batch],
-                completion_mask[batch],
-                config.temperature,
-                config.top_p,
-                num_generations=shared,
-            )
+        sampled = log_probs_without_grad(model, sampling_log_probs, config.top_p)
         weights = vllm_importance_weights(
             old_log_probs - sampled,
             loss_mask,

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import sum_mod_setup
 
 from grpo_companion.core import exact
 from grpo_companion.core.advantages import group_advantages
@@ -18,16 +19,8 @@ from grpo_companion.core.group_estimators import (
     multisets,
     sample_group_estimates,
 )
-from grpo_companion.core.policy_gradient import SequencePolicy, sum_mod_reward
 
 F64 = torch.float64
-
-
-def _setup(vocab_size, length, seed=0):
-    policy = SequencePolicy(vocab_size=vocab_size, length=length)
-    logits = policy.init_logits(seed, scale=1.5)
-    rewards = sum_mod_reward(policy.all_sequences(), vocab_size)
-    return policy, logits, rewards
 
 
 def test_multisets_count_every_ordered_group_once():
@@ -51,7 +44,7 @@ def test_multisets_refuse_too_many_groups():
 @pytest.mark.parametrize("method", ["dr_grpo", "rloo", "grpo"])
 def test_multiset_sum_equals_brute_force_over_ordered_groups(method):
     """All 4^3 = 64 ordered groups of a vocab-2, length-2 policy, one by one."""
-    policy, logits, rewards = _setup(vocab_size=2, length=2)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=2, seed=0)
     probs, scores = policy.probs(logits), policy.scores(logits, policy.all_sequences())
     groups = torch.tensor(list(itertools.product(range(policy.num_sequences), repeat=3)))
     weights = probs[groups].prod(dim=1)
@@ -66,7 +59,7 @@ def test_multiset_sum_equals_brute_force_over_ordered_groups(method):
 
 @pytest.mark.parametrize("group_size", range(2, 9))
 def test_mean_including_self_scales_by_one_minus_one_over_g_and_rloo_is_unbiased(group_size):
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     exact_gradient = policy.exact_gradient(logits, rewards)
     mean_self = group_estimator_moments(policy, logits, rewards, group_size, "dr_grpo")["mean"]
     leave_one_out = group_estimator_moments(policy, logits, rewards, group_size, "rloo")["mean"]
@@ -77,7 +70,7 @@ def test_mean_including_self_scales_by_one_minus_one_over_g_and_rloo_is_unbiased
 @pytest.mark.parametrize("unbiased_std", [True, False])
 def test_std_scaling_is_the_bernoulli_weight_of_the_pass_rate(unbiased_std):
     """On a 3-token policy E[g_grpo] = w(p) grad J with exact.py's one-parameter w(p)."""
-    policy, _, rewards = _setup(vocab_size=2, length=3)
+    policy, _, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     for seed in range(3):
         logits = policy.init_logits(seed + 10, scale=2.0)
         pass_rate = policy.objective(logits, rewards).item()
@@ -93,7 +86,7 @@ def test_std_scaling_is_the_bernoulli_weight_of_the_pass_rate(unbiased_std):
 
 
 def test_group_variance_matches_monte_carlo():
-    policy, logits, rewards = _setup(vocab_size=3, length=2)
+    policy, logits, rewards = sum_mod_setup(vocab_size=3, length=2, seed=0)
     group_size, num_groups = 4, 200_000
     estimates = sample_group_estimates(
         policy, logits, rewards, group_size, num_groups, torch.Generator().manual_seed(5), "rloo"
@@ -107,7 +100,7 @@ def test_group_variance_matches_monte_carlo():
 
 
 def test_sampled_group_estimates_are_the_per_member_sums():
-    policy, logits, rewards = _setup(vocab_size=3, length=2)
+    policy, logits, rewards = sum_mod_setup(vocab_size=3, length=2, seed=0)
     estimates = sample_group_estimates(
         policy, logits, rewards, 5, 7, torch.Generator().manual_seed(3), "grpo"
     )

@@ -13,11 +13,11 @@ import inspect
 import math
 import sys
 import textwrap
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
+from verl_stubs import import_verl_module
 
 from grpo_companion.core.importance import (
     VLLM_IMPORTANCE_SAMPLING_MODES,
@@ -150,15 +150,6 @@ def test_trls_checks():
 
 # --- verl: its own functions -------------------------------------------------------------------
 
-# What verl's modules read at import time from packages this project does not install.
-VERL_STAND_INS = {
-    "ray": ("ObjectRef",),
-    "tensordict": ("TensorDict",),
-    "tensordict.tensorclass": ("NonTensorData", "NonTensorStack"),
-    "codetiming": ("Timer",),
-    "orjson": (),
-}
-
 
 @pytest.fixture(scope="module")
 def verl_helper():
@@ -167,24 +158,8 @@ def verl_helper():
     out of sys.modules again afterwards."""
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed (pip install --no-deps verl==0.9.1 omegaconf)")
-    missing = [n for n in VERL_STAND_INS if importlib.util.find_spec(n.partition(".")[0]) is None]
-    for name in missing:
-        module = types.ModuleType(
-            name, "stand-in for verl's import (tests/core/test_importance.py)"
-        )
-        module.__path__ = []
-        for attribute in VERL_STAND_INS[name]:
-            setattr(module, attribute, type(attribute, (), {}))
-        sys.modules[name] = module
-    if "tensordict.tensorclass" in missing:
-        sys.modules["tensordict"].tensorclass = sys.modules["tensordict.tensorclass"]
-    try:
-        import verl
-        import verl.trainer.ppo.rollout_corr_helper as helper
-    finally:
-        for name in missing:
-            del sys.modules[name]
-    assert verl.__version__ == "0.9.1"
+    helper = import_verl_module("verl.trainer.ppo.rollout_corr_helper")
+    assert sys.modules["verl"].__version__ == "0.9.1"
     return helper
 
 

@@ -3,7 +3,6 @@ import copy
 import pytest
 import torch
 
-from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
 from grpo_companion.lm.rollouts import (
     cut_at_eos,
     generate_rollouts,
@@ -14,18 +13,6 @@ from grpo_companion.lm.scoring import sequence_log_probs
 
 NUM_GENERATIONS = 4
 MAX_COMPLETION_LENGTH = 24
-
-
-@pytest.fixture(scope="module")
-def policy(random_tiny):
-    return random_tiny
-
-
-@pytest.fixture(scope="module")
-def problems(policy):
-    _, tokenizer = policy
-    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
-    return build_prompts(tokenizer, data)
 
 
 def _rollouts(policy, problems, **overrides):
@@ -39,9 +26,9 @@ def _rollouts(policy, problems, **overrides):
     return generate_rollouts(model, tokenizer, prompts, golds, **(settings | overrides))
 
 
-def test_shapes_and_group_structure(policy, problems):
-    rollouts = _rollouts(policy, problems)
-    prompts, _ = problems
+def test_shapes_and_group_structure(random_tiny, arithmetic_prompts):
+    rollouts = _rollouts(random_tiny, arithmetic_prompts)
+    prompts, _ = arithmetic_prompts
     num_rollouts = len(prompts) * NUM_GENERATIONS
     width = rollouts.completion_ids.shape[1]
     assert width <= MAX_COMPLETION_LENGTH
@@ -61,9 +48,9 @@ def test_shapes_and_group_structure(policy, problems):
     assert not rollouts.prompt_mask[:, 0].all()
 
 
-def test_masks_lengths_and_truncation_agree(policy, problems):
-    _, tokenizer = policy
-    rollouts = _rollouts(policy, problems)
+def test_masks_lengths_and_truncation_agree(random_tiny, arithmetic_prompts):
+    _, tokenizer = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     # The random model both stops and runs out of tokens: both cases are exercised.
     assert rollouts.truncated.any() and not rollouts.truncated.all()
@@ -81,10 +68,12 @@ def test_masks_lengths_and_truncation_agree(policy, problems):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_log_probs_equal_an_unpadded_teacher_forced_pass(policy, problems, temperature):
+def test_log_probs_equal_an_unpadded_teacher_forced_pass(
+    random_tiny, arithmetic_prompts, temperature
+):
     """Each rollout alone, no padding, plain positions: the same log-probs to 1e-5."""
-    model, _ = policy
-    rollouts = _rollouts(policy, problems, temperature=temperature)
+    model, _ = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts, temperature=temperature)
     for i in range(len(rollouts.texts)):
         prompt = rollouts.prompt_ids[rollouts.prompt_index[i]][
             rollouts.prompt_mask[rollouts.prompt_index[i]].bool()
@@ -101,11 +90,13 @@ def test_log_probs_equal_an_unpadded_teacher_forced_pass(policy, problems, tempe
         )
 
 
-def test_tokens_are_sampled_from_the_reported_distribution(policy, problems, monkeypatch):
+def test_tokens_are_sampled_from_the_reported_distribution(
+    random_tiny, arithmetic_prompts, monkeypatch
+):
     """Even when the checkpoint's generation_config asks for top-k and a repetition
     penalty, generate samples from softmax(logits / temperature), and the recomputed
     log-probs match the ones generate saw (KV cache) to 1e-5."""
-    model, tokenizer = policy
+    model, tokenizer = random_tiny
     model = copy.deepcopy(model)
     model.generation_config.top_k = 5
     model.generation_config.repetition_penalty = 1.3
@@ -122,7 +113,11 @@ def test_tokens_are_sampled_from_the_reported_distribution(policy, problems, mon
 
     monkeypatch.setattr(model, "generate", spy)
     rollouts = _rollouts(
-        (model, tokenizer), problems, temperature=temperature, batch_size=64, sampler="generate"
+        (model, tokenizer),
+        arithmetic_prompts,
+        temperature=temperature,
+        batch_size=64,
+        sampler="generate",
     )
     (out,) = seen  # one call: every rollout fits in one batch
     scores = torch.stack(out.scores, dim=1)  # (rollouts, steps, vocab) after the logits processors
@@ -140,58 +135,63 @@ def test_tokens_are_sampled_from_the_reported_distribution(policy, problems, mon
     torch.testing.assert_close(rollouts.log_probs[mask], at_tokens[mask], rtol=0, atol=1e-5)
 
 
-def test_same_seed_same_rollouts_and_global_rng_untouched(policy, problems):
+def test_same_seed_same_rollouts_and_global_rng_untouched(random_tiny, arithmetic_prompts):
     state = torch.random.get_rng_state()
-    first, second = _rollouts(policy, problems, seed=3), _rollouts(policy, problems, seed=3)
+    first, second = (
+        _rollouts(random_tiny, arithmetic_prompts, seed=3),
+        _rollouts(random_tiny, arithmetic_prompts, seed=3),
+    )
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(first.completion_ids, second.completion_ids)
     assert torch.equal(first.log_probs, second.log_probs)
     assert first.texts == second.texts
-    assert not torch.equal(first.completion_ids, _rollouts(policy, problems, seed=4).completion_ids)
+    assert not torch.equal(
+        first.completion_ids, _rollouts(random_tiny, arithmetic_prompts, seed=4).completion_ids
+    )
 
 
-def test_skipping_log_probs_changes_nothing_else(policy, problems):
-    full = _rollouts(policy, problems)
-    lean = _rollouts(policy, problems, compute_log_probs=False)
+def test_skipping_log_probs_changes_nothing_else(random_tiny, arithmetic_prompts):
+    full = _rollouts(random_tiny, arithmetic_prompts)
+    lean = _rollouts(random_tiny, arithmetic_prompts, compute_log_probs=False)
     assert lean.log_probs is None
     assert torch.equal(lean.completion_ids, full.completion_ids)
     assert torch.equal(lean.rewards, full.rewards)
     assert lean.texts == full.texts
 
 
-def test_batch_size_splits_generation_without_changing_the_layout(policy, problems):
+def test_batch_size_splits_generation_without_changing_the_layout(random_tiny, arithmetic_prompts):
     rollouts = _rollouts(
-        policy, problems, batch_size=NUM_GENERATIONS
+        random_tiny, arithmetic_prompts, batch_size=NUM_GENERATIONS
     )  # one prompt per generate call
     assert rollouts.completion_ids.shape[0] == 3 * NUM_GENERATIONS
     assert rollouts.completion_ids.shape[1] == int(rollouts.lengths.max())
     assert (rollouts.log_probs[rollouts.completion_mask == 1] < 0).all()
 
 
-def test_rewards_score_each_completion_against_its_own_prompt(policy, problems):
-    prompts, _ = problems
+def test_rewards_score_each_completion_against_its_own_prompt(random_tiny, arithmetic_prompts):
+    prompts, _ = arithmetic_prompts
     calls = []
 
     def reward_fn(text, gold):
         calls.append(text)
         return float(gold)
 
-    rollouts = _rollouts(policy, (prompts, ["0", "1", "2"]), reward_fn=reward_fn)
+    rollouts = _rollouts(random_tiny, (prompts, ["0", "1", "2"]), reward_fn=reward_fn)
     assert calls == rollouts.texts
     assert rollouts.rewards.tolist() == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
 
 
-def test_texts_are_the_decoded_completions_without_special_tokens(policy, problems):
-    _, tokenizer = policy
-    rollouts = _rollouts(policy, problems)
+def test_texts_are_the_decoded_completions_without_special_tokens(random_tiny, arithmetic_prompts):
+    _, tokenizer = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts)
     for text, ids, length in zip(rollouts.texts, rollouts.completion_ids, rollouts.lengths):
         assert text == tokenizer.decode(ids[:length], skip_special_tokens=True)
         assert "<eos>" not in text and "<pad>" not in text
 
 
-def test_sequence_log_probs_is_differentiable(policy, problems):
-    model, _ = policy
-    rollouts = _rollouts(policy, problems)
+def test_sequence_log_probs_is_differentiable(random_tiny, arithmetic_prompts):
+    model, _ = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts)
     log_probs = sequence_log_probs(
         model,
         rollouts.input_ids,
@@ -207,10 +207,10 @@ def test_sequence_log_probs_is_differentiable(policy, problems):
     model.zero_grad(set_to_none=True)
 
 
-def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
+def test_greedy_accuracy_scores_the_argmax_completion(random_tiny, arithmetic_prompts):
     """Batched, left-padded, KV-cached greedy decoding = a plain argmax loop per prompt."""
-    model, tokenizer = policy
-    prompts, _ = problems
+    model, tokenizer = random_tiny
+    prompts, _ = arithmetic_prompts
     expected = []
     for prompt in prompts:
         prompt_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
@@ -223,23 +223,9 @@ def test_greedy_accuracy_scores_the_argmax_completion(policy, problems):
                 break
         expected.append(tokenizer.decode(ids[0, prompt_ids.shape[1] :], skip_special_tokens=True))
     # The "golds" are the expected texts: the reward says whether greedy decoding found them.
-    accuracy = greedy_accuracy(
-        model,
-        tokenizer,
-        prompts,
-        expected,
-        max_completion_length=8,
-        reward_fn=lambda text, gold: float(text == gold),
-    )
-    assert accuracy == 1.0
-    rewards, texts = greedy_completions(
-        model,
-        tokenizer,
-        prompts,
-        expected,
-        max_completion_length=8,
-        reward_fn=lambda text, gold: float(text == gold),
-    )
+    greedy = {"max_completion_length": 8, "reward_fn": lambda text, gold: float(text == gold)}
+    assert greedy_accuracy(model, tokenizer, prompts, expected, **greedy) == 1.0
+    rewards, texts = greedy_completions(model, tokenizer, prompts, expected, **greedy)
     assert texts == expected and rewards == [1.0] * len(prompts)
 
 
@@ -252,18 +238,18 @@ def test_cut_at_eos_with_pad_equal_to_eos_and_several_eos_tokens():
     assert completion_ids.tolist() == [[5, 2, 2, 2], [5, 6, 7, 8], [9, 2, 2, 2], [3, 4, 9, 2]]
 
 
-def test_bad_arguments_are_refused(policy, problems):
+def test_bad_arguments_are_refused(random_tiny, arithmetic_prompts):
     with pytest.raises(ValueError, match="temperature"):
-        _rollouts(policy, problems, temperature=0.0)
-    prompts, golds = problems
+        _rollouts(random_tiny, arithmetic_prompts, temperature=0.0)
+    prompts, golds = arithmetic_prompts
     for bad in [(prompts, golds[:1]), ([], [])]:
         with pytest.raises(ValueError, match="golds"):
-            _rollouts(policy, bad)
+            _rollouts(random_tiny, bad)
 
 
 @pytest.mark.parametrize("num_generations, do_sample", [(4, True), (3, True), (1, False)])
 def test_prompts_computed_once_per_group_give_generates_own_tokens(
-    policy, problems, num_generations, do_sample
+    random_tiny, arithmetic_prompts, num_generations, do_sample
 ):
     """`generate_groups` (through `_generate`) runs each prompt through the model once for its
     whole group (a cache repeated G times) where `generate` would run it G times: on
@@ -271,8 +257,8 @@ def test_prompts_computed_once_per_group_give_generates_own_tokens(
     `generate`'s own."""
     from grpo_companion.lm.rollouts import _generate, _tokenize_prompts, sampling_config, seeded
 
-    model, tokenizer = policy
-    prompts, _ = problems
+    model, tokenizer = random_tiny
+    prompts, _ = arithmetic_prompts
     ids, mask = _tokenize_prompts(tokenizer, prompts, model.device)
     assert (mask == 0).any()  # some prompts are padded
     config = sampling_config(model, tokenizer, do_sample=do_sample, max_new_tokens=12,
@@ -286,13 +272,17 @@ def test_prompts_computed_once_per_group_give_generates_own_tokens(
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_group_shared_prompts_give_the_same_log_probs_and_gradient(policy, problems, temperature):
+def test_group_shared_prompts_give_the_same_log_probs_and_gradient(
+    random_tiny, arithmetic_prompts, temperature
+):
     """`num_generations=G` runs each prompt once into a cache repeated for its G completions:
     on left-padded prompts of different lengths, the log-probs and the gradient of a weighted
     sum of them equal those of the plain pass over (B * G, P + T) tokens up to float32
     rounding (measured about 2e-6 and 1.5e-6 relative on the warm-started model)."""
-    model, _ = policy
-    rollouts = _rollouts(policy, problems, temperature=temperature, compute_log_probs=False)
+    model, _ = random_tiny
+    rollouts = _rollouts(
+        random_tiny, arithmetic_prompts, temperature=temperature, compute_log_probs=False
+    )
     args = (rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask, temperature)
     assert (rollouts.prompt_mask == 0).any()  # some prompts are padded
     weights = torch.randn(
@@ -317,7 +307,9 @@ def test_group_shared_prompts_give_the_same_log_probs_and_gradient(policy, probl
     assert torch.equal(frozen, shared)
     # The rollouts' own log-prob pass shares prompts too, in batches of whole groups.
     for batch_size in (5, 64):
-        again = _rollouts(policy, problems, temperature=temperature, batch_size=batch_size)
+        again = _rollouts(
+            random_tiny, arithmetic_prompts, temperature=temperature, batch_size=batch_size
+        )
         with torch.no_grad():
             expected = sequence_log_probs(
                 model, again.input_ids, again.attention_mask, again.completion_mask, temperature
@@ -325,9 +317,9 @@ def test_group_shared_prompts_give_the_same_log_probs_and_gradient(policy, probl
         torch.testing.assert_close(again.log_probs, expected, rtol=0, atol=1e-5)
 
 
-def test_group_shared_prompts_refuse_rows_that_are_not_groups(policy, problems):
-    model, _ = policy
-    rollouts = _rollouts(policy, problems, compute_log_probs=False)
+def test_group_shared_prompts_refuse_rows_that_are_not_groups(random_tiny, arithmetic_prompts):
+    model, _ = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts, compute_log_probs=False)
     ids, mask, completion_mask = (
         rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask,
     )  # fmt: skip
@@ -343,11 +335,11 @@ def test_group_shared_prompts_refuse_rows_that_are_not_groups(policy, problems):
                            inputs_embeds=torch.zeros(1))  # fmt: skip
 
 
-def test_group_shared_prompts_refuse_a_model_that_drops_the_cache(policy, problems):
+def test_group_shared_prompts_refuse_a_model_that_drops_the_cache(random_tiny, arithmetic_prompts):
     """Activation (gradient) checkpointing in train mode makes transformers drop the KV cache:
     the completions would run without their prompt, so it is refused."""
-    model, _ = policy
-    rollouts = _rollouts(policy, problems, compute_log_probs=False)
+    model, _ = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts, compute_log_probs=False)
     args = (rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask)
     checkpointed = copy.deepcopy(model)
     checkpointed.activation_checkpointing_enable()

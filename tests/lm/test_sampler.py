@@ -3,10 +3,10 @@ finished rows from the batch, and refuses what it does not do as `generate` does
 
 import pytest
 import torch
+from tiny_llama_batch import tiny_llama_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_companion.lm import sampler
-from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
 from grpo_companion.lm.rollouts import (
     _generate,
     _tokenize_prompts,
@@ -25,16 +25,10 @@ STOP_TOKENS = [1, 2, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")
-def policy(random_tiny):
-    return random_tiny
-
-
-@pytest.fixture(scope="module")
-def prompts(policy):
-    """(ids, mask) of 3 left-padded prompts of different lengths."""
-    model, tokenizer = policy
-    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
-    ids, mask = _tokenize_prompts(tokenizer, build_prompts(tokenizer, data)[0], model.device)
+def prompts(random_tiny, arithmetic_prompts):
+    """(ids, mask) of the 3 `arithmetic_prompts`, left-padded: of different lengths."""
+    model, tokenizer = random_tiny
+    ids, mask = _tokenize_prompts(tokenizer, arithmetic_prompts[0], model.device)
     assert (mask == 0).any() and mask[:, -1].all()
     return ids, mask
 
@@ -42,17 +36,8 @@ def prompts(policy):
 @pytest.fixture(scope="module")
 def grouped_query_llama():
     """A random-init Llama with 4 query heads sharing 2 key-value heads, tied embeddings."""
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=STOP_TOKENS,
-        attn_implementation="sdpa",
+    config = tiny_llama_config(
+        tie_word_embeddings=True, eos_token_id=STOP_TOKENS, attn_implementation="sdpa"
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -73,11 +58,11 @@ def _both(model, ids, mask, config, seed):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 @pytest.mark.parametrize("num_generations", [4, 1])
-def test_lean_tokens_are_generates_own(policy, prompts, temperature, top_p, num_generations):
+def test_lean_tokens_are_generates_own(random_tiny, prompts, temperature, top_p, num_generations):
     """Left-padded prompts of different lengths, rows that stop at their EOS and rows that run
     to the end: the same tokens as `generate` and `generate_groups`, and the same random
     numbers consumed (the global RNG ends in the same state)."""
-    model, tokenizer = policy
+    model, tokenizer = random_tiny
     ids, mask = prompts
     config = sampling_config(model, tokenizer, do_sample=True, temperature=temperature,
                              top_p=top_p, num_return_sequences=num_generations,
@@ -119,8 +104,8 @@ def test_grouped_query_heads_several_stop_tokens_and_passengers(grouped_query_ll
     assert saw_passengers
 
 
-def test_greedy_is_generates_argmax(policy, prompts):
-    model, tokenizer = policy
+def test_greedy_is_generates_argmax(random_tiny, prompts):
+    model, tokenizer = random_tiny
     ids, mask = prompts
     config = sampling_config(model, tokenizer, do_sample=False, num_return_sequences=1,
                              max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
@@ -128,10 +113,10 @@ def test_greedy_is_generates_argmax(policy, prompts):
     assert torch.equal(lean_generate(model, ids, mask, config), expected[:, ids.shape[1] :])
 
 
-def test_finished_rows_are_padded_and_leave_the_batch(policy, prompts, monkeypatch):
+def test_finished_rows_are_padded_and_leave_the_batch(random_tiny, prompts, monkeypatch):
     """After a row's EOS only padding; each decoding step runs the rows still running, made up
     to a multiple of 4 by finished ones: the row counts `decode_step` sees, read off the tokens."""
-    model, tokenizer = policy
+    model, tokenizer = random_tiny
     ids, mask = prompts
     sizes = _record_batch_sizes(monkeypatch)
     config = sampling_config(model, tokenizer, do_sample=True, temperature=1.0, top_p=1.0,
@@ -163,11 +148,10 @@ def test_multinomial_draws_each_row_from_that_row_alone():
     assert torch.equal(after_a, after_b)
 
 
-def test_rollouts_are_the_same_with_either_sampler(policy):
+def test_rollouts_are_the_same_with_either_sampler(random_tiny, arithmetic_prompts):
     """`generate_rollouts(sampler="lean")`: the same tokens, log-probs and rewards; greedy too."""
-    model, tokenizer = policy
-    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
-    prompts, golds = build_prompts(tokenizer, data)
+    model, tokenizer = random_tiny
+    prompts, golds = arithmetic_prompts
     settings = {"num_generations": 4, "max_completion_length": MAX_NEW_TOKENS, "seed": 0,
                 "temperature": 0.7, "top_p": 0.9, "batch_size": 8}  # fmt: skip
     plain = generate_rollouts(model, tokenizer, prompts, golds, **settings)
@@ -181,8 +165,8 @@ def test_rollouts_are_the_same_with_either_sampler(policy):
     )
 
 
-def test_what_the_lean_sampler_does_not_do_is_refused(policy, prompts):
-    model, tokenizer = policy
+def test_what_the_lean_sampler_does_not_do_is_refused(random_tiny, prompts):
+    model, tokenizer = random_tiny
     ids, mask = prompts
     config = sampling_config(model, tokenizer, do_sample=True, temperature=1.0, top_p=1.0,
                              num_return_sequences=2, max_new_tokens=4)  # fmt: skip

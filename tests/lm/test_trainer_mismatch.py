@@ -19,7 +19,6 @@ all within ATOL = 1e-6 (float32, as tests/lm/test_trl_equivalence.py).
 """
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,17 +27,16 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import test_trl_equivalence as equivalence  # noqa: E402
-import trl.trainer.grpo_trainer as trl_grpo_module  # noqa: E402
 from test_trl_equivalence import (  # noqa: E402
     ATOL,
-    MAX_LEN,
     B,
     Case,
-    G,
     Recorder,
-    RecordingGRPOTrainer,
     make_batch,
     make_perturbation,
+    memoised_results,
+    our_config,
+    train_trl_case,
 )
 from trl import GRPOConfig as TRLConfig  # noqa: E402
 
@@ -90,53 +88,11 @@ CASES = [
 
 
 def run_trl(case: Case, model, tokenizer, batch, output_dir):
-    model.save_pretrained(output_dir / "initial")
-    model.config._name_or_path = str(output_dir / "initial")
     rows = batch.rollouts(batch.prompts, model.device)
     sampled = perturbed_sampling_log_probs(
         model, rows.input_ids, rows.attention_mask, rows.completion_mask
     )
-
-    def rollout_func(prompts, trainer):
-        seen, prompt_ids, completion_ids, logprobs = {}, [], [], []
-        for prompt in prompts:
-            b = batch.prompts.index(prompt)
-            k = seen[prompt] = seen.get(prompt, -1) + 1
-            prompt_ids.append(batch.prompt_ids[b])
-            completion_ids.append(batch.completion_ids[b][k % G])
-            length = len(completion_ids[-1])
-            logprobs.append(sampled[b * G + k % G, :length].tolist())
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
-
-    def fixed_reward(prompts, completions, completion_ids, **kwargs):
-        return [batch.reward_of(p, c) for p, c in zip(prompts, completion_ids)]
-
-    args = TRLConfig(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, report_to=[],
-        disable_tqdm=True, save_strategy="no", logging_steps=1, seed=0, num_generations=G,
-        per_device_train_batch_size=B * G // case.grad_accum,
-        gradient_accumulation_steps=case.grad_accum, num_iterations=case.num_iterations,
-        max_steps=case.num_iterations, max_completion_length=MAX_LEN, temperature=1.0,
-        loss_type=case.loss_type, beta=case.beta, use_bias_correction_kl=case.bias_correction_kl,
-        epsilon=0.2, max_grad_norm=0.0, gradient_checkpointing=False, shuffle_dataset=False,
-        dataloader_num_workers=0, **dict(case.options),
-    )  # fmt: skip
-    optimizer = Recorder(model, make_perturbation(model))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-        patch.setattr(trl_grpo_module, "shuffle_sequence_dict", lambda generation: generation)
-        trainer = RecordingGRPOTrainer(
-            model=model, reward_funcs=fixed_reward, args=args, processing_class=tokenizer,
-            train_dataset=datasets.Dataset.from_dict({"prompt": batch.prompts}),
-            rollout_func=rollout_func, optimizers=(optimizer, scheduler),
-        )  # fmt: skip
-        # TRL corrects only the completions of its vLLM engine: this batch plays that part.
-        trainer.use_vllm = True
-        trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
-        trainer._last_loaded_step = -1
-        trainer.recorded = []
-        trainer.train()
+    trainer, optimizer = train_trl_case(case, model, tokenizer, batch, output_dir, sampled)
     steps = [
         trainer.recorded[i : i + case.grad_accum]
         for i in range(0, len(trainer.recorded), case.grad_accum)
@@ -149,13 +105,7 @@ def run_trl(case: Case, model, tokenizer, batch, output_dir):
 
 
 def run_ours(case: Case, model, tokenizer, batch, sampling=perturbed_sampling_log_probs):
-    config = GRPOConfig(
-        num_generations=G, per_step_prompts=B, max_completion_length=MAX_LEN, temperature=1.0,
-        use_bias_correction_kl=case.bias_correction_kl, loss_type=case.loss_type,
-        beta=case.beta, epsilon=0.2, num_iterations=case.num_iterations,
-        micro_batch_size=B * G // case.grad_accum, rollout_batch_size=B * G, max_grad_norm=1e30,
-        max_steps=1, **dict(case.options),
-    )  # fmt: skip
+    config = our_config(case)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if case.beta > 0 else None
     optimizer = Recorder(model, make_perturbation(model))
     with pytest.MonkeyPatch.context() as patch:
@@ -175,20 +125,7 @@ def run_ours(case: Case, model, tokenizer, batch, sampling=perturbed_sampling_lo
 
 @pytest.fixture(scope="module")
 def results(random_tiny, tmp_path_factory):
-    model, tokenizer = random_tiny
-    batch = make_batch(tokenizer)
-    cache = {}
-
-    def get(case: Case):
-        if case not in cache:
-            ours = run_ours(case, copy.deepcopy(model), tokenizer, batch)
-            theirs = run_trl(
-                case, copy.deepcopy(model), tokenizer, batch, tmp_path_factory.mktemp("trl")
-            )
-            cache[case] = theirs, ours
-        return cache[case]
-
-    return get
+    return memoised_results(run_trl, run_ours, random_tiny, tmp_path_factory)
 
 
 def parametrize():

@@ -46,6 +46,7 @@ the same name in both configs.
 
 import copy
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,24 +235,75 @@ class RecordingGRPOTrainer(GRPOTrainer):
         return loss
 
 
-def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Result:
-    # TRL builds its reference model from `model.config._name_or_path`: save the initial weights.
-    model.save_pretrained(output_dir / "initial")
-    model.config._name_or_path = str(output_dir / "initial")
+def fixed_rollout_func(batch: FixedBatch, sampled=None):
+    """TRL's ``rollout_func`` returning the fixed completions, each prompt's G in order (TRL asks
+    for each prompt G times in a row); with `sampled`, (B * G, T) in the batch's order, its rows
+    as the sampler's "logprobs", as vLLM reports them."""
 
     def rollout_func(prompts, trainer):
-        seen = {}
-        prompt_ids, completion_ids = [], []
-        for prompt in prompts:  # each prompt G times in a row
+        seen, prompt_ids, completion_ids, logprobs = {}, [], [], []
+        for prompt in prompts:
             b = batch.prompts.index(prompt)
             k = seen[prompt] = seen.get(prompt, -1) + 1
             prompt_ids.append(batch.prompt_ids[b])
             completion_ids.append(batch.completion_ids[b][k % G])
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+            if sampled is not None:
+                logprobs.append(sampled[b * G + k % G, : len(completion_ids[-1])].tolist())
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": None if sampled is None else logprobs,
+        }
+
+    return rollout_func
+
+
+def fixed_reward_func(batch: FixedBatch):
+    """A TRL reward function returning the batch's fixed rewards."""
 
     def fixed_reward(prompts, completions, completion_ids, **kwargs):
         return [batch.reward_of(p, c) for p, c in zip(prompts, completion_ids)]
 
+    return fixed_reward
+
+
+def train_trl(
+    model, tokenizer, batch: FixedBatch, args, reward_funcs, *, optimizer=None, sampled=None
+) -> RecordingGRPOTrainer:
+    """TRL's trainer after `trainer.train()` on the fixed batch (`fixed_rollout_func`), unshuffled
+    (the module docstring), with `optimizer` at a constant learning rate if given. TRL corrects
+    only the completions of its vLLM engine: with `sampled` the batch plays that part
+    (``use_vllm`` set, and a stand-in ``vllm_generation`` whose ``sync_weights`` does nothing)."""
+    optimizers = (None, None)
+    if optimizer is not None:
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+        patch.setattr(trl_grpo_module, "shuffle_sequence_dict", lambda generation: generation)
+        trainer = RecordingGRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"prompt": batch.prompts}),
+            rollout_func=fixed_rollout_func(batch, sampled),
+            optimizers=optimizers,
+        )
+        if sampled is not None:
+            trainer.use_vllm = True
+            trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+            trainer._last_loaded_step = -1
+        trainer.recorded = []
+        trainer.train()
+    return trainer
+
+
+def train_trl_case(case: Case, model, tokenizer, batch: FixedBatch, output_dir, sampled=None):
+    """(trainer, its Recorder): `train_trl` with the settings of `case`, the fixed rewards and a
+    `Recorder`, one generation batch of B * G rollouts per optimizer step (TRL's default)."""
+    # TRL builds its reference model from `model.config._name_or_path`: save the initial weights.
+    model.save_pretrained(output_dir / "initial")
+    model.config._name_or_path = str(output_dir / "initial")
     args = TRLConfig(
         output_dir=str(output_dir),
         use_cpu=True,
@@ -280,24 +332,22 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
         dataloader_num_workers=0,
         **dict(case.options),
     )
-    # One generation batch of B * G rollouts per optimizer step (TRL's default).
     assert args.steps_per_generation == args.gradient_accumulation_steps == case.grad_accum
     optimizer = Recorder(model, make_perturbation(model))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-        patch.setattr(trl_grpo_module, "shuffle_sequence_dict", lambda generation: generation)
-        trainer = RecordingGRPOTrainer(
-            model=model,
-            reward_funcs=fixed_reward,
-            args=args,
-            processing_class=tokenizer,
-            train_dataset=datasets.Dataset.from_dict({"prompt": batch.prompts}),
-            rollout_func=rollout_func,
-            optimizers=(optimizer, scheduler),
-        )
-        trainer.recorded = []
-        trainer.train()
+    trainer = train_trl(
+        model,
+        tokenizer,
+        batch,
+        args,
+        fixed_reward_func(batch),
+        optimizer=optimizer,
+        sampled=sampled,
+    )
+    return trainer, optimizer
+
+
+def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Result:
+    trainer, optimizer = train_trl_case(case, model, tokenizer, batch, output_dir)
     num_steps = case.steps * case.num_iterations
     assert len(optimizer.grads) == num_steps
     assert len(trainer.recorded) == num_steps * case.grad_accum
@@ -318,8 +368,10 @@ def run_trl(case: Case, model, tokenizer, batch: FixedBatch, output_dir) -> Resu
     )
 
 
-def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
-    config = GRPOConfig(
+def our_config(case: Case) -> GRPOConfig:
+    """Our config of `case`: one step on the B prompts, micro-batches of B * G / grad_accum
+    completions, gradient clipping off (TRL's ``max_grad_norm=0``)."""
+    return GRPOConfig(
         num_generations=G,
         per_step_prompts=B,
         max_completion_length=case.max_completion_length,
@@ -336,6 +388,10 @@ def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
         max_grad_norm=1e30,
         max_steps=1,
     )
+
+
+def run_ours(case: Case, model, tokenizer, batch: FixedBatch) -> Result:
+    config = our_config(case)
     advantages = group_advantages(batch.rewards, "grpo", scale_rewards=case.scale_rewards).flatten()
 
     def fixed_rollouts(model, tokenizer, prompts, golds, *, compute_log_probs=True, **settings):
@@ -462,9 +518,9 @@ def parametrize(quantity: str):
     return pytest.mark.parametrize("case", [pytest.param(case, id=case.id) for case in CASES])
 
 
-@pytest.fixture(scope="module")
-def results(random_tiny, tmp_path_factory):
-    """Memoised (trl, ours) results per case: each case runs each trainer once for all tests."""
+def memoised_results(run_trl, run_ours, random_tiny, tmp_path_factory):
+    """get(case) -> (run_trl's result, run_ours's), on copies of `random_tiny` and the fixed
+    batch, each trainer run once per case for all the tests that ask."""
     model, tokenizer = random_tiny
     batch = make_batch(tokenizer)
     cache = {}
@@ -478,6 +534,12 @@ def results(random_tiny, tmp_path_factory):
         return cache[case]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def results(random_tiny, tmp_path_factory):
+    """Memoised (trl, ours) results per case: each case runs each trainer once for all tests."""
+    return memoised_results(run_trl, run_ours, random_tiny, tmp_path_factory)
 
 
 def max_grad_difference(theirs: Result, ours: Result) -> float:
@@ -589,18 +651,6 @@ def test_multi_objective_aggregation_equals_gdpo_and_group_advantages(
     batch = make_batch(tokenizer)
     weights = (1.0, 0.5)
 
-    def rollout_func(prompts, trainer):
-        seen, prompt_ids, completion_ids = {}, [], []
-        for prompt in prompts:  # each prompt G times in a row
-            b = batch.prompts.index(prompt)
-            k = seen[prompt] = seen.get(prompt, -1) + 1
-            prompt_ids.append(batch.prompt_ids[b])
-            completion_ids.append(batch.completion_ids[b][k % G])
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
-
-    def fixed_reward(prompts, completions, completion_ids, **kwargs):
-        return [batch.reward_of(p, c) for p, c in zip(prompts, completion_ids)]
-
     def length_reward(prompts, completions, completion_ids, **kwargs):
         return [len(c) / MAX_LEN for c in completion_ids]
 
@@ -611,19 +661,9 @@ def test_multi_objective_aggregation_equals_gdpo_and_group_advantages(
         reward_weights=list(weights), multi_objective_aggregation=aggregation,
         gradient_checkpointing=False, shuffle_dataset=False, dataloader_num_workers=0,
     )  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-        patch.setattr(trl_grpo_module, "shuffle_sequence_dict", lambda generation: generation)
-        trainer = RecordingGRPOTrainer(
-            model=copy.deepcopy(model),
-            reward_funcs=[fixed_reward, length_reward],
-            args=args,
-            processing_class=tokenizer,
-            train_dataset=datasets.Dataset.from_dict({"prompt": batch.prompts}),
-            rollout_func=rollout_func,
-        )
-        trainer.recorded = []
-        trainer.train()
+    trainer = train_trl(
+        copy.deepcopy(model), tokenizer, batch, args, [fixed_reward_func(batch), length_reward]
+    )
     theirs = torch.cat([inputs["advantages"] for inputs, _ in trainer.recorded])
     lengths = torch.tensor([[len(c) / MAX_LEN for c in group] for group in batch.completion_ids])
     rewards = torch.stack([batch.rewards, lengths], dim=-1)  # (B, G, 2)

@@ -23,25 +23,25 @@ from grpo_companion.machinery.provenance import field_problems, load_timings
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CHAPTER = """\
+FRONT_MATTER = """\
 ---
 jupytext:
-  text_representation: {{extension: .md, format_name: myst}}
-kernelspec: {{display_name: Python 3, language: python, name: python3}}
+  text_representation: {extension: .md, format_name: myst}
+kernelspec: {display_name: Python 3, language: python, name: python3}
 ---
+"""
 
-# {title}
 
-```{{code-cell}} ipython3
-:tags: [parameters]
+def chapter_source(title: str, parameters: str, cells: str = "") -> str:
+    """A chapter's MyST source: the front matter, its title, a parameters cell of profile,
+    output_dir, seed and `parameters` (lines), then `cells`."""
+    head = 'profile = "cpu"\noutput_dir = "scratch"\nseed = 0\n'
+    parameters_cell = f"```{{code-cell}} ipython3\n:tags: [parameters]\n\n{head}{parameters}```\n"
+    return f"{FRONT_MATTER}\n# {title}\n\n{parameters_cell}{cells}"
 
-profile = "cpu"
-output_dir = "scratch"
-seed = 0
-num_samples = 10
-rate = 0.5
-fail = False
-```
+
+# The cells of the fixture book's chapters, after the parameters cell: a `str.format` template.
+CHAPTER_CELLS = """\
 
 ```{{code-cell}} ipython3
 import matplotlib.pyplot as plt
@@ -82,7 +82,11 @@ def make_book(root: Path, glue_key: str = "total") -> Project:
     )
     for name, title in CHAPTERS.items():
         (root / "book" / f"{name}.md").write_text(
-            CHAPTER.format(name=name, title=title, glue_key=glue_key)
+            chapter_source(
+                title,
+                "num_samples = 10\nrate = 0.5\nfail = False\n",
+                CHAPTER_CELLS.format(name=name, glue_key=glue_key),
+            )
         )
     (root / "node_modules").mkdir()
     (root / "node_modules" / "mathjax").symlink_to(ROOT / "node_modules" / "mathjax")
@@ -145,25 +149,9 @@ def test_bad_input_is_refused_before_any_cell_runs(book, capsys, argv, message):
     assert not book.build_dir.exists()  # nothing was executed, nothing written
 
 
-DICT_CHAPTER = """\
----
-jupytext:
-  text_representation: {extension: .md, format_name: myst}
-kernelspec: {display_name: Python 3, language: python, name: python3}
----
-
-# Dicts
-
-```{code-cell} ipython3
-:tags: [parameters]
-
-profile = "cpu"
-output_dir = "scratch"
-seed = 0
-rate = 0.5
-options = {"depth": 1, "width": 2, "name": "a"}
-```
-"""
+DICT_CHAPTER = chapter_source(
+    "Dicts", 'rate = 0.5\noptions = {"depth": 1, "width": 2, "name": "a"}\n'
+)
 
 SHARED_PROFILES = """\
 [cpu]
@@ -323,23 +311,10 @@ def test_html_needs_every_chapter_executed(book):
         build_html(book)
 
 
-LEDGER = """\
----
-jupytext:
-  text_representation: {extension: .md, format_name: myst}
-kernelspec: {display_name: Python 3, language: python, name: python3}
----
-
-# Ledger
-
-```{code-cell} ipython3
-:tags: [parameters]
-
-profile = "cpu"
-output_dir = "scratch"
-seed = 0
-build_dir = "_build"
-```
+LEDGER = chapter_source(
+    "Ledger",
+    'build_dir = "_build"\n',
+    """\
 
 ```{code-cell} ipython3
 import json
@@ -356,7 +331,8 @@ report.write();
 
 The first chapter's total is {glue:text}`first_total`, its figure
 [a line](../figures/01_first/line.png).
-"""
+""",
+)
 
 
 def test_a_chapter_that_declares_build_dir_reads_the_build_and_links_its_figures(book, capsys):

@@ -43,6 +43,17 @@ def _selected(labels, methods) -> list:
     return [label for label in labels if chosen is None or label in chosen]
 
 
+def _plot_weight_curves(ax, pass_rates, weights: dict, labels, styles, group_size, ylabel):
+    """w(p) of each of `labels` (`weights` label -> `(P,)`) on a log axis of `ax`."""
+    for label in labels:
+        ax.semilogy(pass_rates, weights[label], label=label, **styles[label])
+    ax.set(
+        xlabel="pass rate $p$",
+        ylabel=ylabel,
+        title=f"Learning signal against difficulty, G = {group_size}",
+    )
+
+
 def _group_size_ticks(ax, group_sizes):
     ax.set_xticks(group_sizes, [str(G) for G in group_sizes], minor=False)
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
@@ -53,13 +64,10 @@ def plot_weights(pass_rates, weights: dict, group_size: int, methods=None) -> pl
     log axis."""
     styles = zoo_styles(weights)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label in _selected(weights, methods):
-        ax.semilogy(pass_rates, weights[label], label=label, **styles[label])
-    ax.set(
-        xlabel="pass rate $p$",
+    _plot_weight_curves(
+        ax, pass_rates, weights, _selected(weights, methods), styles, group_size,
         ylabel="weight $w(p) = \\mathbb{E}[g] / \\nabla p$",
-        title=f"Learning signal against difficulty, G = {group_size}",
-    )
+    )  # fmt: skip
     legend_outside(ax)
     return fig
 
@@ -235,12 +243,8 @@ def plot_extensions(
     labels = [*references, *methods]
     styles = zoo_styles(labels)
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.4), layout="constrained")
-    for label in _selected(labels, weights):
-        left.semilogy(pass_rates, weights[label], label=label, **styles[label])
-    left.set(
-        xlabel="pass rate $p$",
-        ylabel="weight $w(p)$",
-        title=f"Learning signal against difficulty, G = {group_size}",
+    _plot_weight_curves(
+        left, pass_rates, weights, _selected(labels, weights), styles, group_size, "weight $w(p)$"
     )
     left.legend(fontsize="small")
     for label in _selected(labels, sup_weight):

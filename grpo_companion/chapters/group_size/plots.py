@@ -3,6 +3,8 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
+from grpo_companion.core.figures import legend_outside
+
 # One colour per estimator of `group_size.ESTIMATORS`, the same in every figure.
 COLORS = {
     "no baseline": "C7",
@@ -32,28 +34,13 @@ def plot_mse_vs_group_size(group_sizes, exact: dict, sampled: dict) -> plt.Figur
                 G, (mean - band) * scale, (mean + band) * scale, color=color, alpha=0.25, lw=0
             )
             ax.plot(G, mean * scale, "o", color=color, ms=3)
-    left.set(
-        xscale="log",
-        yscale="log",
-        xlabel="group size $G$",
-        ylabel="$\\mathbb{E}\\|g - \\nabla J\\|^2$",
-        title="MSE of one group's update",
-    )
-    right.set(
-        xscale="log",
-        yscale="log",
-        xlabel="group size $G$",
-        ylabel="$G \\times$ MSE",
-        title="$G \\times$ MSE: flat for i.i.d. samples",
-    )
+    left.set(ylabel="$\\mathbb{E}\\|g - \\nabla J\\|^2$", title="MSE of one group's update")
+    right.set(ylabel="$G \\times$ MSE", title="$G \\times$ MSE: flat for i.i.d. samples")
     for ax in (left, right):
+        ax.set(xscale="log", yscale="log", xlabel="group size $G$")
         _log_group_size_axis(ax, group_sizes[::2])
-    right.legend(
-        fontsize="small",
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        title="lines: exact\ndots, bands: Monte Carlo, 95%",
-        title_fontsize="small",
+    legend_outside(
+        right, title="lines: exact\ndots, bands: Monte Carlo, 95%", title_fontsize="small"
     )
     return fig
 
@@ -91,12 +78,8 @@ def plot_mse_at_fixed_budget(
         title=f"N = {budget} completions per step, pass rates ~ Beta({beta[0]:g}, {beta[1]:g})",
     )
     _log_group_size_axis(ax, 2 ** np.arange(int(np.log2(group_sizes[-1])) + 1))
-    ax.legend(
-        fontsize="small",
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        title="lines: exact; stars: best G\ndots: Monte Carlo, 95%",
-        title_fontsize="small",
+    legend_outside(
+        ax, title="lines: exact; stars: best G\ndots: Monte Carlo, 95%", title_fontsize="small"
     )
     return fig
 

@@ -105,20 +105,28 @@ def _next_token_probs(model, ids: list[int]) -> torch.Tensor:
         return torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double(), dim=-1)
 
 
-def test_prefix_values_match_enumeration(random_llama):
-    """Horizon 2: every completion is enumerable, so V(prompt) and V(prompt, o_1) are exact."""
+def _digit_rollouts(random_llama, questions, golds, num_generations, max_completion_length):
+    """(prompts, rollouts): the prompts of `questions` and their rollouts (seed 0) scored by
+    `_digit_reward`."""
     model, tokenizer = random_llama
-    prompt = format_prompt(tokenizer, "1 apples")
+    prompts = [format_prompt(tokenizer, question) for question in questions]
     rollouts = generate_rollouts(
         model,
         tokenizer,
-        [prompt],
-        ["0"],
-        num_generations=3,
-        max_completion_length=2,
+        prompts,
+        golds,
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
         seed=0,
         reward_fn=_digit_reward,
     )
+    return prompts, rollouts
+
+
+def test_prefix_values_match_enumeration(random_llama):
+    """Horizon 2: every completion is enumerable, so V(prompt) and V(prompt, o_1) are exact."""
+    model, tokenizer = random_llama
+    [prompt], rollouts = _digit_rollouts(random_llama, ["1 apples"], ["0"], 3, 2)
     num_resamples = 1500
     result = prefix_values(
         model,
@@ -162,17 +170,7 @@ def test_prefix_values_match_enumeration(random_llama):
 
 def test_prefix_values_reproducible(random_llama):
     model, tokenizer = random_llama
-    prompt = format_prompt(tokenizer, "2 apples")
-    rollouts = generate_rollouts(
-        model,
-        tokenizer,
-        [prompt],
-        ["0"],
-        num_generations=2,
-        max_completion_length=4,
-        seed=0,
-        reward_fn=_digit_reward,
-    )
+    _, rollouts = _digit_rollouts(random_llama, ["2 apples"], ["0"], 2, 4)
     kwargs = {"num_resamples": 8, "max_completion_length": 4, "reward_fn": _digit_reward}
     first = prefix_values(model, tokenizer, rollouts, ["0"], seed=3, **kwargs)
     again = prefix_values(model, tokenizer, rollouts, ["0"], seed=3, **kwargs)
@@ -183,18 +181,7 @@ def test_prefix_values_reproducible(random_llama):
 
 
 def test_select_groups_keeps_the_rows_of_the_groups(random_llama):
-    model, tokenizer = random_llama
-    prompts = [format_prompt(tokenizer, question) for question in ("1 apples", "2 apples 3")]
-    rollouts = generate_rollouts(
-        model,
-        tokenizer,
-        prompts,
-        ["0", "1"],
-        num_generations=3,
-        max_completion_length=5,
-        seed=0,
-        reward_fn=_digit_reward,
-    )
+    _, rollouts = _digit_rollouts(random_llama, ["1 apples", "2 apples 3"], ["0", "1"], 3, 5)
     selected = select_groups(rollouts, [1])
     assert selected.texts == rollouts.texts[3:]
     assert torch.equal(selected.rewards, rollouts.rewards[1:])

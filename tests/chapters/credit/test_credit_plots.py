@@ -4,7 +4,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
@@ -21,11 +20,7 @@ from grpo_companion.chapters.credit.tokens import SHARE_COLUMNS, TOKEN_CLASSES
 from grpo_companion.lm.rollouts import Rollouts
 from grpo_companion.lm.tiny_llama import build_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
+pytestmark = pytest.mark.usefixtures("close_figures")
 
 
 def heatmap_data(ax) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import sum_mod_setup
 
 from grpo_companion.chapters.grpo_loss.kl import (
     kl_divergence,
@@ -56,20 +57,13 @@ from grpo_companion.chapters.grpo_loss.plots import (
     plot_token_weights,
 )
 from grpo_companion.core.advantages import group_advantages
-from grpo_companion.core.policy_gradient import SequencePolicy, reinforce_gradient, sum_mod_reward
+from grpo_companion.core.policy_gradient import SequencePolicy, reinforce_gradient
 
 F64 = torch.float64
 
 
-def _setup(vocab_size, length, seed=0):
-    policy = SequencePolicy(vocab_size=vocab_size, length=length)
-    logits = policy.init_logits(seed, scale=1.5)
-    rewards = sum_mod_reward(policy.all_sequences(), vocab_size)
-    return policy, logits, rewards
-
-
 def test_kl_estimators_exact_moments():
-    policy, ref_logits, _ = _setup(vocab_size=3, length=3)
+    policy, ref_logits, _ = sum_mod_setup(vocab_size=3, length=3, seed=0)
     logits = ref_logits + 0.5 * policy.init_logits(seed=1)
     probs = policy.probs(logits)
     by_definition = (probs * (probs / policy.probs(ref_logits)).log()).sum().item()
@@ -116,7 +110,7 @@ def test_token_weights_closed_forms():
 
 
 def test_first_step_loss_is_zero_but_its_gradient_is_the_group_estimator():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     draws = policy.sample(logits, 6 * 4, torch.Generator().manual_seed(0))
     sequences = policy.all_sequences()[draws]
     advantages = group_advantages(rewards[draws].view(6, 4)).flatten()
@@ -131,7 +125,7 @@ def test_first_step_loss_is_zero_but_its_gradient_is_the_group_estimator():
 
 
 def test_optimize_on_batch_takes_plain_gradient_steps():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     draws = policy.sample(logits, 16, torch.Generator().manual_seed(1))
     sequences = policy.all_sequences()[draws]
     advantages = group_advantages(rewards[draws].view(4, 4)).flatten()
@@ -158,7 +152,7 @@ def test_optimize_on_batch_takes_plain_gradient_steps():
 
 
 def test_first_step_loss_is_batch_loss_and_its_gradient():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     draws = policy.sample(logits, 5 * 4, torch.Generator().manual_seed(4))
     sequences = policy.all_sequences()[draws]
     advantages = group_advantages(rewards[draws].view(5, 4)).flatten()
@@ -181,7 +175,7 @@ def test_clipped_objective_by_hand():
 
 
 def test_sample_batches_draw_in_order_from_one_generator():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     batches = sample_batches(policy, logits, rewards, 3, 2, 4, torch.Generator().manual_seed(9))
     generator = torch.Generator().manual_seed(9)
     for sequences, advantages in batches:
@@ -199,7 +193,7 @@ def test_clip_settings_names():
 
 
 def test_clipping_histories_run_optimize_on_batch_per_setting():
-    policy, logits, rewards = _setup(vocab_size=2, length=3)
+    policy, logits, rewards = sum_mod_setup(vocab_size=2, length=3, seed=0)
     batches = sample_batches(policy, logits, rewards, 2, 2, 4, torch.Generator().manual_seed(1))
     settings = clip_settings([0.05])
     histories = clipping_histories(policy, logits, rewards, batches, 3, [0.5, 2.0], settings)
@@ -259,7 +253,7 @@ def test_clipping_summary_and_records_by_hand():
 
 
 def test_sequence_kl_by_definition_and_differentiable():
-    policy, logits, _ = _setup(vocab_size=3, length=2)
+    policy, logits, _ = sum_mod_setup(vocab_size=3, length=2, seed=0)
     ref_logits = policy.init_logits(5)
     p, q = policy.probs(logits), policy.probs(ref_logits)
     assert float(sequence_kl(policy, logits, ref_logits)) == pytest.approx(
@@ -275,7 +269,7 @@ def test_sequence_kl_by_definition_and_differentiable():
 
 def test_token_kls_by_hand():
     # Step t's KL depends only on the previous token: compare with the softmax rows directly.
-    policy, logits, _ = _setup(vocab_size=3, length=2)
+    policy, logits, _ = sum_mod_setup(vocab_size=3, length=2, seed=0)
     ref_logits = policy.init_logits(7)
     sequences = policy.all_sequences()
     kls = token_kls(policy, logits, ref_logits, sequences)
@@ -287,7 +281,7 @@ def test_token_kls_by_hand():
 
 @pytest.mark.parametrize(("vocab_size", "length"), [(3, 1), (2, 3)])
 def test_expected_kl_gradients_are_the_per_token_kl_gradients(vocab_size, length):
-    policy, ref_logits, _ = _setup(vocab_size, length)
+    policy, ref_logits, _ = sum_mod_setup(vocab_size, length, seed=0)
     logits = ref_logits + 0.7 * policy.init_logits(11)
     targets = kl_gradients(policy, logits, ref_logits)
     gradients = {
@@ -326,7 +320,7 @@ def test_expected_kl_gradient_by_hand_on_one_token():
 
 
 def test_kl_gradient_table_and_records():
-    policy, ref_logits, _ = _setup(vocab_size=2, length=3)
+    policy, ref_logits, _ = sum_mod_setup(vocab_size=2, length=3, seed=0)
     direction = policy.init_logits(2)
     table, forward_reverse = kl_gradient_table(policy, ref_logits, direction, [0.1, 2.0])
     assert list(table.index) == list(KL_GRADIENT_LOSSES)
@@ -352,7 +346,7 @@ def test_kl_gradient_table_and_records():
 
 
 def test_kl_estimator_table_is_the_exact_moments_and_a_seeded_monte_carlo_mean():
-    policy, ref_logits, _ = _setup(vocab_size=2, length=3)
+    policy, ref_logits, _ = sum_mod_setup(vocab_size=2, length=3, seed=0)
     direction = policy.init_logits(seed=7)
     table = kl_estimator_table(
         policy, ref_logits, direction, [0.5, 1.0], 20_000, torch.Generator().manual_seed(3)

@@ -256,16 +256,21 @@ def test_collapse_point_finds_the_first_fall_or_non_finite_step():
     assert runs.collapse_point(table, 0.8) == 3
 
 
-def test_k3_collapses_where_the_ratio_corrected_kl_does_not(setting):
-    """The chapter's settings: a step of 30 with beta = 0.1; seeds 0 to 3."""
-    policy, theta, rewards = setting
-    base = dict(learning_rate=30.0, max_steps=40, beta=0.1)
-    arms = {
+def _collapse_arms(learning_rate: float) -> dict:
+    """The three arms of section 6 at `learning_rate`, 40 steps, beta = 0.1: k3, ratio x k3 and
+    no KL."""
+    base = dict(learning_rate=learning_rate, max_steps=40, beta=0.1)
+    return {
         "k3": runs.SequenceGRPOConfig(**base),
         "ratio x k3": runs.SequenceGRPOConfig(**base, use_bias_correction_kl=True),
         "beta = 0": runs.SequenceGRPOConfig(**{**base, "beta": 0.0}),
     }
-    sweep = runs.collapse_sweep(policy, theta, rewards, arms, [0, 1, 2, 3], 0.5)
+
+
+def test_k3_collapses_where_the_ratio_corrected_kl_does_not(setting):
+    """The chapter's settings: a step of 30 with beta = 0.1; seeds 0 to 3."""
+    policy, theta, rewards = setting
+    sweep = runs.collapse_sweep(policy, theta, rewards, _collapse_arms(30.0), [0, 1, 2, 3], 0.5)
     counts = sweep.groupby("arm", sort=False)["collapsed"].sum().to_dict()
     assert counts == {"k3": 2, "ratio x k3": 0, "beta = 0": 0}
     records = runs.collapse_records(sweep, {"k3": "k3", "ratio x k3": "ratio", "beta = 0": "zero"})
@@ -278,13 +283,7 @@ def test_k3_collapses_where_the_ratio_corrected_kl_does_not(setting):
 
 def test_exercise_1_no_run_collapses_at_two_thirds_of_the_step(setting):
     policy, theta, rewards = setting
-    base = dict(learning_rate=20.0, max_steps=40, beta=0.1)
-    arms = {
-        "k3": runs.SequenceGRPOConfig(**base),
-        "ratio x k3": runs.SequenceGRPOConfig(**base, use_bias_correction_kl=True),
-        "beta = 0": runs.SequenceGRPOConfig(**{**base, "beta": 0.0}),
-    }
-    sweep = runs.collapse_sweep(policy, theta, rewards, arms, list(range(12)), 0.5)
+    sweep = runs.collapse_sweep(policy, theta, rewards, _collapse_arms(20.0), list(range(12)), 0.5)
     assert not sweep["collapsed"].any()
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 from scipy.special import betaln
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama_batch import one_layer_llama
 
 from grpo_companion.chapters.sparsity.lm_runs import per_group_gradients
 from grpo_companion.chapters.sparsity.rate import (
@@ -222,21 +222,8 @@ def test_dynamic_sampling():
     assert set(dynamic_sampling(rewards, 1000, seed=0).tolist()) == mixed  # too few: keep all
 
 
-def tiny_llama(seed=0, vocab_size=20):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).double().eval()
-
-
 def test_per_group_gradients_sum_to_the_batch_gradient():
-    model = tiny_llama()
+    model = one_layer_llama()
     prompt_length, completion_length = 3, 6
     generator = torch.Generator().manual_seed(3)
     input_ids = torch.randint(

@@ -16,11 +16,7 @@ from grpo_companion.chapters.sparsity.plots import (
 )
 from grpo_companion.chapters.sparsity.rate import beta_rate_curves, iid_rate_curve
 
-
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
+pytestmark = pytest.mark.usefixtures("close_figures")
 
 
 def test_theory_figure_draws_the_curves_and_every_third_simulated_rate():
