@@ -46,7 +46,7 @@ COMMANDS = {
         "execute chapters (no HTML)",
         "Execute the named chapters in order under a profile, with optional parameter overrides. "
         "A chapter's notebook, figures and results are published only once all its cells "
-        "succeeded and it recorded the keys and figures book/results.toml declares.",
+        "succeeded and it recorded only the keys and figures its code declares.",
         "python -m grpo_companion run 10_group_size --profile smoke -p group_sizes '[2, 4, 8]'",
     ),
     "book": (

@@ -4,11 +4,11 @@ Chapter sources are MyST-markdown notebooks `book/NN_name.md` without outputs. A
 
 1. refuses, before any cell runs, an override that the chapter's `parameters` cell does not
    declare, of another type than the default's or outside its declared range (`parameters.py`),
-   and a chapter without a table in `book/results.toml` (the keys and figures it records);
+   and a chapter whose code records a name it does not spell out (`declarations.declare`);
 2. converts the source with jupytext and executes it with papermill into `_build/tmp/<chapter>/`,
    injecting the profile's parameters (`book/profiles.toml`), the overrides, `profile`,
    `output_dir` and, when declared (chapter 12), `build_dir`;
-3. only when every cell succeeded and the chapter recorded exactly what it declares, adds the
+3. only when every cell succeeded and the chapter recorded only what its code declares, adds the
    pipeline's part of the `provenance` record, stores the run's seconds in
    `_build/timings/<profile>.json` (runs without overrides only), strips the notebook of
    papermill's injected cell and absolute paths, heads it with what the chapter needs (device,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from grpo_companion.machinery.declarations import load_declarations, mismatches
+from grpo_companion.machinery.declarations import DeclarationError, declare, mismatches
 from grpo_companion.machinery.parameters import ParameterError, read_cell, violation
 from grpo_companion.machinery.provenance import (
     header_markdown,
@@ -95,15 +95,11 @@ class Project:
         return self.build_dir / "results" / f"{chapter}.json"
 
     def declaration(self, chapter: str) -> dict[str, list[str]]:
-        """The result keys and figures `chapter` declares in `book/results.toml`."""
-        path = self.root / "book" / "results.toml"
-        declarations = load_declarations(path) if path.exists() else {}
-        if chapter not in declarations:
-            raise PipelineError(
-                f"chapter {chapter} declares no results: add a [{chapter}] table with its "
-                f"`values` (result keys) and `figures` to {path}"
-            )
-        return declarations[chapter]
+        """The result keys and figures `chapter`'s code records (`declarations.declare`)."""
+        try:
+            return declare(self.source(chapter))
+        except DeclarationError as error:
+            raise PipelineError(f"chapter {chapter}: {error}") from None
 
 
 def chapter_parameters(path: Path) -> dict:
@@ -306,7 +302,7 @@ def execute_chapter(
         failed = project.build_dir / "failed" / f"{chapter}.ipynb"
         _replace(executed, failed)
         raise PipelineError(
-            f"chapter {chapter} does not match its [{chapter}] of book/results.toml: "
+            f"chapter {chapter} recorded other names than its code declares: "
             f"{'; '.join(problems)}; executed notebook: {failed}"
         )
     resolved = {**defaults, **parameters}

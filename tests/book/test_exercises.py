@@ -51,7 +51,7 @@ from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
 from grpo_companion.lm.rollouts import generate_rollouts
 from grpo_companion.lm.trainer_metrics import rollout_metrics
 from grpo_companion.machinery.claims import QUALITATIVE, REPRODUCED, judge, load_claims
-from grpo_companion.machinery.declarations import load_declarations, undeclared_references
+from grpo_companion.machinery.declarations import declare, undeclared_references
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -461,7 +461,7 @@ def test_12_exercise_3_the_solution_entry_loads_and_reads_declared_keys(tmp_path
     tomllib.loads(entry)
     claims = load_claims(path)
     assert [claim.id for claim in claims] == ["P4_rank_two_smollm2"]
-    declarations = load_declarations(ROOT / "book" / "results.toml")
+    declarations = {"07_rank": declare(ROOT / "book" / "07_rank.md")}
     assert undeclared_references(claims, declarations) == []
     ledger = {claim.id for claim in load_claims(ROOT / "book" / "claims.toml")}
     assert "P4_rank_two_nemotron" in ledger

@@ -1,16 +1,16 @@
 """The claims ledger: the engine on hand-built results (each of the five verdicts reachable, a
 clear one-line error for a missing chapter, failed chapter, key or figure, the schema of
 claims.json), and the data, without running a chapter: every claim of `book/claims.toml` cites
-works of `book/references.bib` and reads only keys and figures its chapter declares in
-`book/results.toml`, every declared chapter exists, a renamed key fails in seconds, and every
+works of `book/references.bib` and reads only keys and figures its chapter's code declares
+(`declarations.declare`), every chapter declares, a renamed key fails in seconds, and every
 rule can fail for the right reason: each claim's example values that support it, contradict it,
 cannot decide it, lie outside its regime or come from a run that did not learn get their
 verdicts, and only an explicit contradiction gives "not reproduced". Also the exercises every
 chapter must end with."""
 
+import functools
 import json
 import re
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,8 +41,9 @@ from grpo_companion.machinery.claims import (
     write_ledger,
 )
 from grpo_companion.machinery.declarations import (
+    DeclarationError,
+    declare,
     is_declared,
-    load_declarations,
     mismatches,
     undeclared_references,
 )
@@ -50,8 +51,15 @@ from grpo_companion.machinery.pipeline import Project
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAIMS_FILE = ROOT / "book" / "claims.toml"
-RESULTS_FILE = ROOT / "book" / "results.toml"
 CLAIMS = load_claims(CLAIMS_FILE)
+
+
+@functools.cache
+def declarations() -> dict:
+    """What every chapter's code records, read from the code (no chapter runs)."""
+    project = Project(ROOT)
+    return {chapter: declare(project.source(chapter)) for chapter in project.chapters}
+
 
 RANK_CLAIM = Claim(
     id="rank_two",
@@ -366,19 +374,15 @@ def test_the_toml_forms_of_a_check():
 
 
 def test_every_claim_reads_what_its_chapter_declares():
-    assert undeclared_references(CLAIMS, load_declarations(RESULTS_FILE)) == []
+    assert undeclared_references(CLAIMS, declarations()) == []
 
 
-def test_every_chapter_declares_its_results_and_every_declaration_is_a_chapter():
-    declarations = load_declarations(RESULTS_FILE)
-    assert sorted(declarations) == Project(ROOT).chapters
-    for chapter, declared in declarations.items():
-        assert declared["values"], chapter
-        for kind in ("values", "figures"):
+def test_every_chapter_declares_its_results():
+    for chapter, declared in declarations().items():
+        assert declared["values"] and declared["required"], chapter
+        assert set(declared["required"]) <= set(declared["values"]), chapter
+        for kind in ("values", "figures", "required"):
             assert len(set(declared[kind])) == len(declared[kind]), f"{chapter}: repeated {kind}"
-        source = (ROOT / "book" / f"{chapter}.md").read_text()
-        for figure in declared["figures"]:
-            assert f'"{figure}"' in source, f"{chapter} draws no figure {figure!r}"
 
 
 LITERAL_RECORD = re.compile(r'report\.record\(\s*"([^"{}]+)"')
@@ -390,7 +394,7 @@ LITERAL_FIGURE = re.compile(
 @pytest.mark.parametrize("chapter", Project(ROOT).chapters)
 def test_every_literal_key_and_figure_of_a_chapter_is_declared(chapter):
     source = (ROOT / "book" / f"{chapter}.md").read_text()
-    declared = load_declarations(RESULTS_FILE)[chapter]
+    declared = declarations()[chapter]
     keys, figures = LITERAL_RECORD.findall(source), LITERAL_FIGURE.findall(source)
     assert keys, chapter
     assert [key for key in keys if not is_declared(key, declared["values"])] == []
@@ -401,18 +405,21 @@ def test_a_renamed_key_or_figure_fails_without_running_a_chapter(tmp_path):
     text = CLAIMS_FILE.read_text()
     renamed = tmp_path / "claims.toml"
     renamed.write_text(text.replace('"error_slope"', '"error_exponent"', 1))
-    problems = undeclared_references(load_claims(renamed), load_declarations(RESULTS_FILE))
+    problems = undeclared_references(load_claims(renamed), declarations())
     assert problems == [
         "claim P1_policy_gradient: chapter 01_policy_gradient declares no key 'error_exponent'"
     ]
     renamed.write_text(text.replace('figure = "error_vs_samples"', 'figure = "error_plot"', 1))
-    assert undeclared_references(load_claims(renamed), load_declarations(RESULTS_FILE)) == [
+    assert undeclared_references(load_claims(renamed), declarations()) == [
         "claim P1_policy_gradient: chapter 01_policy_gradient declares no figure 'error_plot'"
     ]
-    declarations = tmp_path / "results.toml"
-    shutil.copy(RESULTS_FILE, declarations)
-    declarations.write_text(declarations.read_text().replace('"max_error_rloo"', '"rloo_error"'))
-    assert undeclared_references(CLAIMS, load_declarations(declarations)) == [
+    # a key renamed where the chapter records it: the declaration follows the code
+    page = tmp_path / "02_group_baseline.md"
+    source = (ROOT / "book" / "02_group_baseline.md").read_text()
+    assert source.count('report.record("max_error_rloo"') == 1
+    page.write_text(source.replace('report.record("max_error_rloo"', 'report.record("rloo_error"'))
+    renamed_chapter = {**declarations(), "02_group_baseline": declare(page)}
+    assert undeclared_references(CLAIMS, renamed_chapter) == [
         "claim R_rloo_unbiased: chapter 02_group_baseline declares no key 'max_error_rloo'"
     ]
 
@@ -424,16 +431,47 @@ def test_a_bad_claim_in_the_file_names_the_claim(tmp_path):
         load_claims(bad)
 
 
+def test_declare_reads_literals_loops_and_the_dicts_functions_return(tmp_path):
+    page = tmp_path / "99_page.md"
+    page.write_text(
+        (ROOT / "book" / "01_policy_gradient.md").read_text().split("\n# ")[0]
+        + "\n# Page\n\n```{code-cell} ipython3\n"
+        "from grpo_companion.chapters.sparsity.lm_runs import tuning_records\n"
+        "from grpo_companion.chapters.sparsity.easy_start import easy_summary\n"
+        'report.record("plain", 1)\n'
+        'for name in ("a", "b"):\n    report.record(f"loop_{name}", 2)\n'
+        'for key, value in {"x_one": 1, **{f"extra_{m}": 2 for m in methods}}.items():\n'
+        "    report.record(key, value)\n"
+        "if extra:\n    report.record('optional_key', 3)\n"
+        "records = tuning_records(choice)\nrecords['added_key'] = 4\n"
+        "report.record_all(records)\n"
+        'report.record_all(easy_summary(table, "easy"), prefix="p_")\n'
+        'report.figure(figure, "plot")\n```\n'
+    )
+    declared = declare(page)
+    assert {"plain", "loop_a", "loop_b", "x_one", "extra_*", "optional_key", "added_key"} <= set(
+        declared["values"]
+    )
+    # a function's returned keys, with the literal argument it was called with
+    assert {"*_learning_rate", "*_lr_inside", "remedy_lr_inside"} <= set(declared["values"])
+    assert "p_easy_pass_rate_first" in declared["values"]
+    assert declared["figures"] == ["plot"]
+    assert declared["required"] == ["loop_a", "loop_b", "plain"]
+    page.write_text(page.read_text().replace('report.record("plain", 1)', "report.record(k, 1)"))
+    with pytest.raises(DeclarationError, match="line .*cannot tell which key `k`"):
+        declare(page)
+
+
 def test_declared_names_plain_and_glob():
-    declaration = {"values": ["a", "rank_*"], "figures": ["plot"]}
+    declaration = {"values": ["a", "rank_*"], "figures": ["plot"], "required": ["a"]}
     recorded = {"values": {"a": 1, "rank_x": 2, "rank_y": 3}, "figures": ["plot"]}
     assert mismatches(declaration, recorded) == []
-    # a glob declares a family of any size; a plain name must be recorded
+    # a glob declares a family of any size; a required name must be recorded
     assert mismatches(declaration, {"values": {"a": 1}, "figures": ["plot"]}) == []
     assert mismatches(declaration, {"values": {"b": 1, "rank_x": 0}, "figures": ["plot", "x"]}) == [
         "undeclared key 'b'",
-        "declared key 'a' not recorded",
         "undeclared figure 'x'",
+        "declared key 'a' not recorded",
     ]
 
 

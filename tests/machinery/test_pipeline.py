@@ -77,9 +77,6 @@ def make_book(root: Path, glue_key: str = "total") -> Project:
     # _config.yml names the bibliography: the fixture book has the real one
     (root / "book" / "references.bib").write_text((ROOT / "book" / "references.bib").read_text())
     (root / "book" / "profiles.toml").write_text("[cpu]\n[smoke.01_first]\nnum_samples = 2\n")
-    (root / "book" / "results.toml").write_text(
-        "".join(f'[{name}]\nvalues = ["total"]\nfigures = ["line"]\n' for name in CHAPTERS)
-    )
     for name, title in CHAPTERS.items():
         (root / "book" / f"{name}.md").write_text(
             chapter_source(
@@ -203,26 +200,37 @@ def test_shared_values_reach_only_the_chapters_that_declare_them_and_dicts_merge
         resolve_parameters(book, "01_first", "smoke")
 
 
-def test_a_chapter_without_declared_results_is_refused_before_any_cell_runs(book, capsys):
-    (book.root / "book" / "results.toml").write_text(
-        '[01_first]\nvalues = ["total"]\nfigures = ["line"]\n'
-    )
+def test_a_chapter_recording_a_name_its_code_does_not_spell_is_refused_before_any_cell_runs(
+    book, capsys
+):
+    page = book.root / "book" / "02_second.md"
+    page.write_text(page.read_text().replace('report.record("total"', "report.record(key"))
     assert main(["--root", str(book.root), "run", "02_second", "--no-progress"]) == 1
     error = capsys.readouterr().err
-    assert error.startswith("error: chapter 02_second declares no results: add a [02_second]")
+    assert error.startswith("error: chapter 02_second: line ")
+    assert "cannot tell which key `key` records" in error
     assert error.count("\n") == 1 and not book.build_dir.exists()
 
 
-def test_a_chapter_that_records_other_keys_than_it_declares_fails_and_publishes_nothing(book):
-    (book.root / "book" / "results.toml").write_text(
-        '[01_first]\nvalues = ["total", "mean"]\nfigures = ["line_*"]\n'
+def test_a_chapter_that_records_other_keys_than_its_code_declares_fails_and_publishes_nothing(
+    book,
+):
+    page = book.root / "book" / "01_first.md"
+    page.write_text(
+        page.read_text().replace(
+            'report.record("total", num_samples * rate)',
+            'values = {"total": num_samples * rate}\n'
+            'values.setdefault("mean", rate)  # a key no code reading can see\n'
+            "report.record_all(values)\n"
+            'if fail:\n    report.record("never", 0)',
+        )
     )
     with pytest.raises(PipelineError) as error:
         execute_chapter(book, "01_first", "smoke", progress=False)
     failed = book.build_dir / "failed" / "01_first.ipynb"
     assert str(error.value) == (
-        "chapter 01_first does not match its [01_first] of book/results.toml: declared key "
-        f"'mean' not recorded; undeclared figure 'line'; executed notebook: {failed}"
+        "chapter 01_first recorded other names than its code declares: undeclared key "
+        f"'mean'; executed notebook: {failed}"
     )
     assert failed.exists() and not (book.build_dir / "results").exists()
     assert not (book.build_dir / "figures").exists()
@@ -337,8 +345,6 @@ The first chapter's total is {glue:text}`first_total`, its figure
 
 def test_a_chapter_that_declares_build_dir_reads_the_build_and_links_its_figures(book, capsys):
     (book.root / "book" / "03_ledger.md").write_text(LEDGER)
-    with open(book.root / "book" / "results.toml", "a") as declarations:
-        declarations.write('[03_ledger]\nvalues = ["first_total", "build_dir"]\n')
     toc = book.root / "_toc.yml"
     toc.write_text(toc.read_text() + "  - file: book/03_ledger\n")
     argv = ["--root", str(book.root), "run", "03_ledger", "-p", "build_dir", "elsewhere"]
