@@ -78,15 +78,17 @@ def easy_problems(
     return candidates.select(chosen.tolist()), records
 
 
-def validation_problems(train_data, *, num_candidates: int, num_prompts: int, seed: int):
-    """`num_prompts` generated arithmetic training-split problems that `train_data` does not
-    hold: the ones after the first `num_candidates` (those the selection probe drew from)."""
-    pool = gsm8k.load_gsm8k(
-        "train", source="arithmetic", num_examples=num_candidates + num_prompts, seed=seed
+def validation_problems(train_data, *, skip: int, num_prompts: int, seed: int):
+    """`num_prompts` generated arithmetic training-split problems after the first `skip`: with
+    `skip` past both the selection's candidates and the warm start's training problems
+    (`TinyLlamaSpec.num_train_split_problems`), problems no run has trained on. Refuses any that
+    `train_data` holds."""
+    problems = gsm8k.load_gsm8k(
+        "train", source="arithmetic", num_examples=num_prompts, skip=skip, seed=seed
     )
-    trained = set(train_data["question"])
-    rows = [i for i, question in enumerate(pool["question"]) if question not in trained]
-    return pool.select(rows[-num_prompts:])
+    if set(problems["question"]) & set(train_data["question"]):
+        raise ValueError("validation problems overlap the training problems: raise `skip`")
+    return problems
 
 
 def easy_runs(

@@ -174,7 +174,9 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     mean final validation accuracy (`core.stats.grid_choice`). Comparison: every method at its
     rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`.
     Returns (histories of the comparison, as `remedy_runs`; choice: method -> {"learning_rate",
-    "index", "inside", "means": the mean final validation accuracy at each rate}).
+    "index", "inside", "means": the mean final validation accuracy at each rate}; the tuning
+    runs at each method's chosen rate, (method, seed) -> history, from which the prediction is
+    made before the comparison runs).
     """
     grid = {(name, rate): {**methods[name], "learning_rate": rate}
             for name in methods for rate in learning_rates}  # fmt: skip
@@ -191,18 +193,36 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
               for name in methods}  # fmt: skip
     histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
                             initial_accuracy=initial_test)  # fmt: skip
-    return histories, choice
+    tuned = {(name, seed): history for ((name, rate), seed), history in tuning.items()
+             if rate == choice[name]["learning_rate"]}  # fmt: skip
+    return histories, choice, tuned
 
 
-def tuning_records(choice: dict) -> dict:
+def tuning_records(choice: dict, methods: dict, reference: str) -> dict:
     """The records of `tuned_remedy_runs`' choice: "<m>_learning_rate", "<m>_lr_inside" (1 or
-    0) per method, and "remedy_lr_inside", 1 when every method's optimum lies inside the grid."""
+    0) per method, "remedy_lr_inside", 1 when every method's optimum lies inside the grid, and
+    "<m>_same_loss", 1 when a method's overrides (`methods`: name -> GRPOConfig fields) differ
+    from the `reference`'s only in the advantage (`method`) and `filter_degenerate`: the same
+    loss aggregation, so the comparison changes one thing."""
     records = {}
     for name, chosen in choice.items():
         records[f"{name}_learning_rate"] = chosen["learning_rate"]
         records[f"{name}_lr_inside"] = int(chosen["inside"])
     records["remedy_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
+    varied = ("method", "filter_degenerate", "learning_rate")
+    base = {k: v for k, v in methods[reference].items() if k not in varied}
+    for name, overrides in methods.items():
+        same = {k: v for k, v in overrides.items() if k not in varied} == base
+        records[f"{name}_same_loss"] = int(same)
     return records
+
+
+def tuning_gain(tuned: dict, method: str, initial_accuracy: float) -> float:
+    """`method`'s mean gain in validation accuracy over its tuning runs at its chosen rate
+    (`tuned_remedy_runs`' third result), from `initial_accuracy`: the scale of the prediction,
+    fixed before the comparison runs."""
+    return float(np.mean([h[-1]["eval_accuracy"] - initial_accuracy
+                          for (name, _), h in tuned.items() if name == method]))  # fmt: skip
 
 
 def paired_differences(histories: dict, method: str, reference: str) -> np.ndarray:
@@ -222,17 +242,24 @@ def power_records(histories: dict, methods, reference: str, predicted: dict, num
     for name in [name for name in methods if name != reference]:
         differences = paired_differences(histories, name, reference)
         sd = float(np.std(differences[:num_pilot], ddof=1))
+        effect = predicted[name]
+        sizable = np.isfinite(sd) and sd > 1e-12 and np.isfinite(effect) and effect != 0
+        needed = seeds_for_power(sd, effect) if sizable else None
         records[f"{name}_pilot_sd"] = sd
-        needed = seeds_for_power(sd, predicted[name]) or None
         records[f"{name}_seeds_needed"] = needed
         records[f"{name}_seeds_run"] = len(differences)
-        records[f"{name}_power_words"] = (
-            f"{needed} seeds for 80% power at the predicted difference of {predicted[name]:+.3f}, "
-            f"against the {len(differences)} run"
-            if needed
-            else "no number of seeds: the predicted difference is 0 (the reference arm's held-out "
-            "gain was not above 0, so the prediction scales nothing)"
-        )
+        if needed:
+            words = (f"needs {needed} seeds for 80% power at the predicted difference of "
+                     f"{effect:+.3f} (normal approximation; a t interval needs a seed or two "
+                     f"more), against the {len(differences)} run")  # fmt: skip
+        elif not (np.isfinite(effect) and effect != 0):
+            words = (
+                "cannot be sized: the predicted difference is 0 (the exact model predicts no "
+                "difference, or the reference arm gained nothing for it to scale)"
+            )
+        else:
+            words = "cannot be sized: the pilot's differences have no spread"
+        records[f"{name}_power_words"] = words
     return records
 
 
@@ -295,8 +322,8 @@ def remedy_summary(histories: dict, methods, reference: str, predicted: dict,
         records[f"{key}_high"] = difference["high"][0]
         records[f"{name}_versus_{reference}"] = interval_words(
             difference["low"][0], difference["high"][0], predicted[name],
-            supports=f"on the predicted side of {names[reference]}'s",
-            contradicts=f"short of the predicted difference from {names[reference]}'s",
+            supports=f"lies above 0, on the predicted side of {names[reference]}'s",
+            contradicts="excludes the predicted difference",
         )  # fmt: skip
     return records, pd.DataFrame(rows).set_index("method")
 

@@ -152,7 +152,8 @@ def test_validation_problems_are_training_split_problems_the_training_set_does_n
 
     candidates = load_gsm8k("train", source="arithmetic", num_examples=10, seed=3)
     train = candidates.select([1, 4, 7])
-    validation = validation_problems(train, num_candidates=10, num_prompts=5, seed=3)
+    validation = validation_problems(train, skip=10, num_prompts=5, seed=3)
     assert len(validation) == 5
-    assert not set(validation["question"]) & set(train["question"])
     assert not set(validation["question"]) & set(candidates["question"])
+    with pytest.raises(ValueError, match="overlap"):
+        validation_problems(train, skip=0, num_prompts=5, seed=3)

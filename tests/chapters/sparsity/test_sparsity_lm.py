@@ -160,7 +160,7 @@ def test_remedy_summary_hand_built():
     low, _ = stats.t.interval(0.95, 2, loc=np.mean(difference), scale=stats.sem(difference))
     assert records["sign_minus_grpo"] == pytest.approx(np.mean(difference))
     assert records["sign_minus_grpo_low"] == pytest.approx(low) and low > 0
-    assert records["sign_versus_grpo"] == "on the predicted side of GRPO's"
+    assert records["sign_versus_grpo"] == "lies above 0, on the predicted side of GRPO's"
     assert "grpo_minus_grpo" not in records
     assert table.index.tolist() == ["grpo", "sign"]
 
@@ -234,7 +234,7 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
 
     monkeypatch.setattr(lm_runs, "remedy_runs", fake_remedy_runs)
     methods = {"dr_grpo": {"method": "dr_grpo"}, "sign": {"method": "sign"}}
-    histories, choice = lm_runs.tuned_remedy_runs(
+    histories, choice, tuned = lm_runs.tuned_remedy_runs(
         None, None, "train", "validation", "test", {"max_steps": 2}, methods, [1e-5, 3e-5, 1e-4],
         [1000], [0, 1], initial_validation=0.1, initial_test=0.2,
     )  # fmt: skip
@@ -246,28 +246,37 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
     assert choice["dr_grpo"]["inside"] and not choice["sign"]["inside"]
     expected = [10.5 - np.log10(3), 10.5, 10.5 - np.log10(10 / 3)]  # + 0.01 x tuning seed 1000
     assert choice["dr_grpo"]["means"] == pytest.approx(expected)
-    records = lm_runs.tuning_records(choice)
+    records = lm_runs.tuning_records(choice, methods, "dr_grpo")
     assert records == {"dr_grpo_learning_rate": 3e-5, "dr_grpo_lr_inside": 1,
                        "sign_learning_rate": 1e-4, "sign_lr_inside": 0,
-                       "remedy_lr_inside": 0}  # fmt: skip
+                       "remedy_lr_inside": 0, "dr_grpo_same_loss": 1,
+                       "sign_same_loss": 1}  # fmt: skip
+    other_loss = {**methods, "sign": {"method": "sign", "loss_type": "grpo"}}
+    assert lm_runs.tuning_records(choice, other_loss, "dr_grpo")["sign_same_loss"] == 0
     assert list(histories) == [("dr_grpo", 0), ("dr_grpo", 1), ("sign", 0), ("sign", 1)]
+    # the tuning runs at each method's chosen rate, for a prediction made before the comparison
+    assert list(tuned) == [("dr_grpo", 1000), ("sign", 1000)]
+    gain = lm_runs.tuning_gain(tuned, "dr_grpo", 0.1)
+    assert gain == pytest.approx(tuned[("dr_grpo", 1000)][-1]["eval_accuracy"] - 0.1)
 
 
 def test_power_records_size_seeds_from_the_pilot_and_refuse_a_zero_prediction():
     from grpo_companion.chapters.sparsity.lm_runs import paired_differences, power_records
-    from grpo_companion.chapters.sparsity.sign import seeds_for_power
 
     np.testing.assert_allclose(paired_differences(RISING, "sign", "grpo"), [0.2, 0.2, 0.3])
     records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.1}, num_pilot=2)
     sd = float(np.std([0.2, 0.2], ddof=1))  # the first two seeds' differences
-    assert records["sign_pilot_sd"] == pytest.approx(sd)
-    assert records["sign_seeds_needed"] == seeds_for_power(sd, 0.1) == 2
+    assert records["sign_pilot_sd"] == pytest.approx(sd) and sd == pytest.approx(0.0, abs=1e-12)
     assert records["sign_seeds_run"] == 3
     records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.0}, num_pilot=3)
     assert records["sign_seeds_needed"] is None
-    assert records["sign_power_words"].startswith("no number of seeds")
+    assert records["sign_power_words"].startswith("cannot be sized: the predicted difference is 0")
+    # the first two seeds' differences are 0.2 and 0.2: no spread in the pilot
+    records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.1}, num_pilot=2)
+    assert records["sign_seeds_needed"] is None
+    assert records["sign_power_words"] == "cannot be sized: the pilot's differences have no spread"
     sd = float(np.std([0.2, 0.2, 0.3], ddof=1))
     needed = math.ceil(((stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) * sd / 0.01) ** 2)
     records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.01}, num_pilot=3)
     assert records["sign_seeds_needed"] == needed > 3
-    assert records["sign_power_words"].startswith(f"{needed} seeds for 80% power")
+    assert records["sign_power_words"].startswith(f"needs {needed} seeds for 80% power")
