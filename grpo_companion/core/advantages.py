@@ -212,6 +212,31 @@ def process_advantages(
     return at_ends.flip(1).cumsum(1).flip(1)
 
 
+def shuffle_step_rewards(step_rewards: Tensor, step_mask: Tensor, generator) -> Tensor:
+    """Process credit's placebo: in each group, the rewards of the worked steps (every present
+    step but each completion's last, the outcome) permuted at random among those steps.
+
+    The group keeps the same labels (so `process_advantages` normalises them alike) at the same
+    positions (the same density), but a label no longer says which step earned it: what process
+    credit adds besides information. Shapes as `process_advantages`' (B, G, S); `generator` a
+    `torch.Generator` on the rewards' device."""
+    last = step_mask.cumsum(-1) == step_mask.sum(-1, keepdim=True)  # each row's final step
+    worked = step_mask.bool() & ~(last & step_mask.bool())
+    shuffled = step_rewards.clone()
+    for group in range(step_rewards.shape[0]):
+        values = step_rewards[group][worked[group]]
+        order = torch.randperm(len(values), generator=generator, device=values.device)
+        shuffled[group][worked[group]] = values[order]
+    return shuffled
+
+
+def per_step_process_advantages(advantages: Tensor, step_mask: Tensor) -> Tensor:
+    """Process advantages `(B * G, T)` divided by each completion's number of steps (from
+    `step_mask` (B, G, S)): the same direction per token, without the scale that grows with k."""
+    counts = step_mask.flatten(0, 1).sum(-1).clamp(min=1).to(advantages.dtype)
+    return advantages / counts[:, None]
+
+
 def _passk_advantages(rewards: Tensor, scale_rewards: str, eps: float) -> Tensor:
     if scale_rewards == "batch":
         raise ValueError("grpo_passk supports scale_rewards='group' or 'none', not 'batch'")

@@ -113,6 +113,16 @@ def slope_of_means(x, means, standard_errors, confidence: float = 0.95) -> dict:
 SUPPORTS, UNDECIDED, CONTRADICTS = 1, 0, -1
 
 
+def seeds_for_power(sd: float, effect: float, power: float = 0.8) -> int:
+    """Seeds a paired two-sided 5% test needs to detect `effect` with per-seed SD `sd` (normal
+    approximation, ((z_0.975 + z_power) sd / effect)^2 rounded up; at least 2)."""
+    from scipy.stats import norm
+
+    if not effect:
+        return 0
+    return max(2, int(np.ceil(((norm.ppf(0.975) + norm.ppf(power)) * sd / effect) ** 2)))
+
+
 def grid_choice(grid, scores) -> dict:
     """The value of `grid` (ascending) with the highest of `scores` (one per value; the first,
     lowest, value wins a tie): "value", "index", and "inside", whether it lies strictly inside

@@ -17,7 +17,9 @@ from grpo_companion.core.importance import (
 )
 from grpo_companion.core.losses import LOSS_TYPES
 
-CREDITS = ("outcome", "process")  # one advantage per completion; per token from the steps
+# One advantage per completion; per token from the steps; the steps' labels shuffled within each
+# group (a placebo); the steps' advantages divided by their number.
+CREDITS = ("outcome", "process", "process_placebo", "process_per_step")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,10 @@ class GRPOConfig:
     reference solution rewarded where the completion writes it, the group's step rewards
     normalised together, and a token's advantage the sum of those of the steps that end at or
     after it (`advantages.process_advantages`). It needs the training problems' answer fields
-    (`trainer.train` passes them to `trainer.grpo_step`).
+    (`trainer.train` passes them to `trainer.grpo_step`). ``"process_placebo"`` shuffles the
+    worked steps' rewards within each group (`advantages.shuffle_step_rewards`: the same density
+    and scale, no information); ``"process_per_step"`` divides each completion's process
+    advantages by its number of steps (`advantages.per_step_process_advantages`).
 
     A sampler that is not the policy (TRL's vLLM importance sampling, chapter 13): ``top_p < 1``
     samples from the renormalised nucleus while the loss differentiates the full softmax, as TRL
@@ -149,12 +154,12 @@ class GRPOConfig:
         process_settings = {"method": "grpo", "scale_rewards": "group", "filter_degenerate": False,
                             "importance_sampling_level": "token"}  # fmt: skip
         changed = [name for name, value in process_settings.items() if getattr(self, name) != value]
-        if self.credit == "process" and changed:
+        if self.credit != "outcome" and changed:
             # Process credit normalises step rewards as "grpo" does rewards; a group whose
             # outcomes agree can have mixed steps (what would filter_degenerate drop?); GSPO has
             # one ratio per sequence, the advantages here are per token.
             raise ValueError(
-                f"credit='process' needs {process_settings}; got "
+                f"credit={self.credit!r} needs {process_settings}; got "
                 + ", ".join(f"{name}={getattr(self, name)!r}" for name in changed)
             )
 

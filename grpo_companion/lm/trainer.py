@@ -33,7 +33,9 @@ from tqdm import tqdm
 
 from grpo_companion.core.advantages import (
     group_advantages,
+    per_step_process_advantages,
     process_advantages,
+    shuffle_step_rewards,
     zero_advantage_fractions,
     zero_std_groups,
 )
@@ -258,11 +260,16 @@ def grpo_step(
 
     # 2. One advantage per completion, from the rewards of its own group: (B, G) -> (B * G,);
     # or, with process credit, one per token from the group's step rewards: (B * G, T).
-    if config.credit == "process":
+    if config.credit != "outcome":
         if answers is None:
-            raise ValueError("credit='process' needs the answers of the prompts (answers=...)")
-        step_rewards = rollout_step_rewards(tokenizer, rollouts, [answers[i] for i in rows])
-        advantages = process_advantages(*step_rewards, rollouts.completion_ids.shape[1])
+            raise ValueError(f"credit={config.credit!r} needs the answers of the prompts")
+        steps, ends, mask = rollout_step_rewards(tokenizer, rollouts, [answers[i] for i in rows])
+        if config.credit == "process_placebo":
+            shuffle = torch.Generator(steps.device).manual_seed(rollout_seed(config.seed, step))
+            steps = shuffle_step_rewards(steps, mask, shuffle)
+        advantages = process_advantages(steps, ends, mask, rollouts.completion_ids.shape[1])
+        if config.credit == "process_per_step":
+            advantages = per_step_process_advantages(advantages, mask)
     else:
         advantages = group_advantages(
             rewards, config.method, scale_rewards=config.scale_rewards

@@ -5,7 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_companion.core.advantages import METHODS, group_advantages, process_advantages
+from grpo_companion.core.advantages import (
+    METHODS,
+    group_advantages,
+    per_step_process_advantages,
+    process_advantages,
+    shuffle_step_rewards,
+)
 
 
 @st.composite
@@ -388,3 +394,33 @@ def test_zero_advantage_fractions_per_completion_and_per_token():
     assert fractions == {"rollouts": pytest.approx(1 / 3), "tokens": pytest.approx(6 / 8)}
     with pytest.raises(ValueError, match="completion_mask"):
         zero_advantage_fractions(torch.zeros(2), mask)
+
+
+def test_shuffle_step_rewards_permutes_the_worked_steps_within_each_group():
+    rewards = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]], [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]])
+    mask = torch.tensor([[[True, True, True], [True, True, False]], [[True] * 3, [True] * 3]])
+    shuffled = shuffle_step_rewards(rewards, mask, torch.Generator().manual_seed(0))
+    # the outcome (each row's last present step) stays; the worked steps keep their multiset
+    assert (
+        shuffled[0, 0, 2] == 1.0
+        and shuffled[0, 1, 1] == 1.0
+        and shuffled[1, :, 2].tolist() == [1, 1]
+    )
+    for group in range(2):
+        worked = mask[group].clone()
+        worked[0, mask[group][0].sum() - 1] = False
+        worked[1, mask[group][1].sum() - 1] = False
+        assert sorted(shuffled[group][worked].tolist()) == sorted(rewards[group][worked].tolist())
+    assert torch.equal(shuffled[~mask], rewards[~mask])
+    draws = {
+        tuple(shuffle_step_rewards(rewards, mask, torch.Generator().manual_seed(s))[0][0].tolist())
+        for s in range(20)
+    }
+    assert len(draws) > 1  # a permutation, not the identity
+
+
+def test_per_step_process_advantages_divide_by_each_completions_steps():
+    advantages = torch.tensor([[3.0, 3.0], [2.0, 0.0]])
+    mask = torch.tensor([[[True, True, True], [True, True, False]]])
+    expected = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert torch.equal(per_step_process_advantages(advantages, mask), expected)

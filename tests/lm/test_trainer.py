@@ -11,6 +11,7 @@ from grpo_companion.core.advantages import (
     degenerate_fractions,
     group_advantages,
     process_advantages,
+    shuffle_step_rewards,
 )
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.lm import trainer
@@ -432,6 +433,28 @@ def test_process_credit_trains_on_per_token_advantages(initial, data):
     outcome = copy.deepcopy(initial[0])
     assert _train((outcome, initial[1]), data, replace(config, credit="outcome"))[1] != record
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), outcome.parameters()))
+
+
+@pytest.mark.parametrize("credit", ["process_placebo", "process_per_step"])
+def test_process_credit_variants_train_on_their_advantages(initial, data, credit):
+    """The placebo shuffles the worked steps' rewards within each group with the step's own
+    generator; per-step divides each completion's process advantages by its number of steps."""
+    config = replace(CONFIG, max_steps=1, credit=credit)
+    history = _train((copy.deepcopy(initial[0]), initial[1]), data, config)
+    rollouts = _step_one_rollouts(initial, data, config)
+    rows = batch_indices(1, len(data[0]), config.per_step_prompts, config.seed)
+    steps, ends, mask = rollout_step_rewards(
+        initial[1], rollouts, [data[0]["answer"][i] for i in rows]
+    )
+    if credit == "process_placebo":
+        shuffle = torch.Generator().manual_seed(rollout_seed(config.seed, 1))
+        steps = shuffle_step_rewards(steps, mask, shuffle)
+    advantages = process_advantages(steps, ends, mask, rollouts.completion_ids.shape[1])
+    if credit == "process_per_step":
+        advantages = advantages / mask.flatten(0, 1).sum(-1)[:, None]
+    completion = rollouts.completion_mask
+    expected = -((advantages * completion).sum(1) / completion.sum(1)).mean()
+    assert history[1]["loss"] == pytest.approx(expected.item(), abs=1e-6)
 
 
 def test_process_credit_without_worked_steps_is_outcome_credit(initial, data):

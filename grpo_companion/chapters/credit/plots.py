@@ -186,12 +186,15 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     initial = [records["credit_initial_accuracy"][k] for k in keys]
     axes[0].plot(step_counts, initial, "k--", marker="x", label="warm start", alpha=0.7)
-    for i, arm in enumerate(ARMS):
+    arms = [arm for arm in ARMS if arm in records["credit_final_accuracy"]]
+    for i, arm in enumerate(arms):
         final = records["credit_final_accuracy"][arm]
-        _error_bars(axes[0], np.array(step_counts) + 0.06 * (2 * i - 1), [final[k] for k in keys],
+        offset = 0.06 * (2 * i - len(arms) + 1)
+        _error_bars(axes[0], np.array(step_counts) + offset, [final[k] for k in keys],
                     f"C{i}", ARM_LABELS[arm])  # fmt: skip
+    kind = "sampled" if records.get("credit_metric") == "sampled_accuracy" else "greedy"
     axes[0].set(
-        title=f"held-out greedy accuracy after training ({num_eval_prompts} problems)",
+        title=f"held-out {kind} accuracy after training ({num_eval_prompts} problems)",
         xlabel="steps per problem k",
         ylabel="accuracy",
         xticks=step_counts,
@@ -208,9 +211,13 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
     if predicted is not None:
         axes[1].plot(step_counts, mean_gain + predicted * (np.array(step_counts) - mean_k), ":",
                      color="C3", label=f"predicted slope {predicted:+.3f} per step")  # fmt: skip
+    for i, arm in enumerate(arms[2:], start=3):  # the arms that separate what process adds
+        other = [records[f"credit_{arm}_gain"][k] for k in keys]
+        _error_bars(axes[1], np.array(step_counts) + 0.08 * (i - 2), other, f"C{i}",
+                    f"paired gain, {ARM_LABELS[arm]} - outcome")  # fmt: skip
     axes[1].axhline(0, color="black", linewidth=0.8)
     axes[1].set(
-        title="paired gain of step-level credit against k",
+        title="paired gain over outcome credit against k",
         xlabel="steps per problem k",
         ylabel="accuracy gain",
         xticks=step_counts,
@@ -218,7 +225,7 @@ def plot_credit_gain(records: dict, num_eval_prompts: int) -> plt.Figure:
     axes[1].legend(fontsize="small")
     fig.suptitle(
         f"mean and 95% t-interval over {records['credit_num_seeds']} seeds; "
-        "both arms share prompts, seeds and rollout budget"
+        "every arm shares prompts, seeds and rollout budget"
     )
     fig.tight_layout()
     return fig

@@ -1,19 +1,17 @@
 r"""Chapter 5, section 5: step-level against outcome credit, by training the tiny Llama.
 
-The paper's claim that credit assignment is the bottleneck for multi-step reasoning predicts an
-intervention: give GRPO a signal per step instead of one per completion, and the held-out
-accuracy should gain more the more steps a problem takes. `run_credit_comparison` trains two
-arms from the same warm start on problems of k = 1, 2, ... steps
-(``gsm8k.load_arithmetic_chains``): "outcome", GRPO as in `trainer.train`, and "process",
-``GRPOConfig(credit="process")``, DeepSeekMath's process supervision
-(``advantages.process_advantages``). Both arms of a seed share everything else (configuration,
-prompt order, sampler seeds, held-out problems), so their difference is paired.
+`run_credit_comparison` trains arms (``GRPOConfig.credit``) from the same warm start on problems
+of k steps (``gsm8k.load_arithmetic_chains``): "outcome", "process" (DeepSeekMath's process
+supervision, ``advantages.process_advantages``) and its two controls, "process_placebo" (the
+worked steps' labels shuffled within each group) and "process_per_step" (divided by the number
+of steps). The arms of a seed share prompts, their order, sampler seeds and held-out problems,
+so their differences are paired. `tune_credit_rates` gives each arm its own learning rate on
+`validation_chains`; `sampled_accuracy` is the measure.
 
-`credit_gain_summary` reads the histories: per k each arm's final held-out accuracy, the paired
-gain with t-intervals over seeds, the slope of the gain against k (`stats.fitted_trend`) read
-against `predicted_gain_slope` (from section 2's exact toy), and the steps each arm took to a
-target accuracy. `warm_start_step_counts` and `warm_start_worked_lines` say why the warm start
-fails at some k.
+`credit_gain_summary` reads the histories: per k each arm's final accuracy, the paired gains
+over outcome with t-intervals over seeds, their slope against k (the arm x k interaction) read
+against `predicted_gain_slope`, and the power of that reading. `warm_start_step_counts` and
+`warm_start_worked_lines` say where the warm start can and cannot answer.
 
 Chapter: :doc:`/book/05_credit` (section 5: the process rule and what it adds besides credit).
 """
@@ -24,17 +22,25 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from grpo_companion.core.stats import fitted_trend, interval_words, mean_interval
+from grpo_companion.core.stats import (
+    fitted_trend,
+    grid_choice,
+    interval_words,
+    mean_interval,
+    seeds_for_power,
+)
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_arithmetic_chains
 from grpo_companion.lm.parallel import map_runs
-from grpo_companion.lm.rollouts import greedy_completions
+from grpo_companion.lm.rollouts import generate_rollouts, greedy_completions
 from grpo_companion.lm.steps import worked_lines
 from grpo_companion.lm.trainer import held_out_accuracy, train
 
-ARMS = ("outcome", "process")
-ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit"}
+ARMS = ("outcome", "process", "process_placebo", "process_per_step")  # GRPOConfig.credit
+ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit",
+              "process_placebo": "placebo step labels",
+              "process_per_step": "step-level credit / steps"}  # fmt: skip
 
 
 def run_credit_comparison(
@@ -46,11 +52,15 @@ def run_credit_comparison(
     num_train_prompts: int,
     num_eval_prompts: int,
     *,
+    arms: Iterable[str] = ARMS,
+    learning_rates: dict[str, float] | None = None,
+    eval_data: dict | None = None,
+    eval_samples: int = 0,
     data_seed: int = 0,
     workers: int | None = None,
     progress: bool = False,
 ) -> dict[tuple[str, int, int], list[dict]]:
-    """Train the outcome and the process arm for every number of steps k and seed.
+    """Train every arm (a ``GRPOConfig.credit``) for every number of steps k and seed.
 
     Args:
         model_loader: returns a fresh copy of the warm-started model, e.g.
@@ -59,35 +69,114 @@ def run_credit_comparison(
         step_counts: the k of the problems (``load_arithmetic_chains``' num_steps).
         seeds: one run per arm and seed; ``config.seed`` is replaced by it, so the two arms
             of a seed see the same prompts in the same order and sample with the same seeds.
-        config: the GRPO settings of both arms; its ``credit`` is replaced by the arm.
+        config: the GRPO settings of every arm; its ``credit`` is replaced by the arm.
         num_train_prompts, num_eval_prompts: problems per k, the same for every seed
-            (generated with `data_seed`); the eval problems are the test split's.
+            (generated with `data_seed`); the eval problems are the test split's unless
+            `eval_data` ({k: problems}, e.g. `validation_chains`) gives others.
+        arms: the credits to train; learning_rates: arm -> its learning rate (default config's).
+        eval_samples: K > 0 adds each run's sampled accuracy after training (`sampled_accuracy`,
+            K completions per problem) to its last record, and the warm start's to its first,
+            as "sampled_accuracy".
         workers: one-thread worker processes for the runs (`lm.parallel.map_runs`; None: one
             per core, 1: in this process); the histories do not depend on it.
 
     Returns:
         histories: (arm, k, seed) -> `trainer.train` history.
     """
-    step_counts, seeds = list(step_counts), list(seeds)
+    step_counts, seeds, arms = list(step_counts), list(seeds), list(arms)
+    rates = learning_rates or {}
     data = {
         k: (
             load_arithmetic_chains("train", k, num_train_prompts, seed=data_seed),
-            load_arithmetic_chains("test", k, num_eval_prompts, seed=data_seed),
+            (eval_data or {}).get(k)
+            or load_arithmetic_chains("test", k, num_eval_prompts, seed=data_seed),
         )
         for k in step_counts
     }
-    # Every run at one k starts from the same model: one greedy evaluation each.
-    before = {k: held_out_accuracy(model_loader(), tokenizer, data[k][1], config) for k in data}
+    # Every run at one k starts from the same model: one evaluation each.
+    start = model_loader()
+    before = {k: held_out_accuracy(start, tokenizer, data[k][1], config) for k in data}
+    sampled = {k: sampled_accuracy(start, tokenizer, data[k][1], config, eval_samples, data_seed)
+               for k in data} if eval_samples else {}  # fmt: skip
 
     def run(key):
         arm, k, seed = key
-        return train(
-            model_loader(), tokenizer, *data[k], replace(config, credit=arm, seed=seed),
-            progress=False, initial_accuracy=before[k],
-        )  # fmt: skip
+        settings = replace(config, credit=arm, seed=seed,
+                           learning_rate=rates.get(arm, config.learning_rate))  # fmt: skip
+        model = model_loader()
+        history = train(model, tokenizer, *data[k], settings, progress=False,
+                        initial_accuracy=before[k])  # fmt: skip
+        if eval_samples:
+            history[0]["sampled_accuracy"] = sampled[k]
+            history[-1]["sampled_accuracy"] = sampled_accuracy(
+                model, tokenizer, data[k][1], settings, eval_samples, data_seed)  # fmt: skip
+        return history
 
-    runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in ARMS]
+    runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in arms]
     return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress)
+
+
+def sampled_accuracy(model, tokenizer, problems, config: GRPOConfig, num_samples: int,
+                     seed: int) -> float:  # fmt: skip
+    """The share of right answers among `num_samples` completions of each problem, sampled as
+    the trainer samples (temperature, length), with its own seed: pass@1 averaged over K."""
+    prompts, golds = build_prompts(tokenizer, problems)
+    rollouts = generate_rollouts(
+        model, tokenizer, prompts, golds, num_generations=num_samples,
+        max_completion_length=config.max_completion_length, temperature=config.temperature,
+        seed=seed + 7919, batch_size=config.rollout_batch_size, compute_log_probs=False,
+    )  # fmt: skip
+    return float(rollouts.rewards.float().mean())
+
+
+def validation_chains(step_counts, num_problems: int, seed: int, exclude: dict) -> dict:
+    """{k: `num_problems` test-split chains of k steps drawn with another seed, none of them in
+    `exclude[k]` (the comparison's test problems)}: problems neither the warm start (trained on
+    the training split) nor any run trains on, and the comparison does not evaluate on."""
+    chosen = {}
+    for k in step_counts:
+        held = set(exclude[k]["question"])
+        pool = load_arithmetic_chains("test", k, 2 * num_problems + len(held), seed=seed + 1)
+        rows = [i for i, question in enumerate(pool["question"]) if question not in held]
+        chosen[k] = pool.select(rows[:num_problems])
+    return chosen
+
+
+def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, config,
+                      num_train_prompts: int, validation: dict, *, eval_samples: int,
+                      data_seed: int, workers=None) -> tuple[dict, dict]:  # fmt: skip
+    """Each arm's learning rate: every arm at every rate of `grid` (ascending) on the tuning
+    `seeds` and `step_counts`, measured by sampled accuracy on `validation` ({k: problems});
+    the rate with the best mean final accuracy (`core.stats.grid_choice`). Returns (arm ->
+    {"learning_rate", "index", "inside", "means"}, the tuning histories by (arm, rate, k, seed))."""
+    runs = {}
+    for rate in grid:
+        histories = run_credit_comparison(
+            model_loader, tokenizer, step_counts, seeds, config, num_train_prompts, 1,
+            arms=arms, learning_rates=dict.fromkeys(arms, rate), eval_data=validation,
+            eval_samples=eval_samples, data_seed=data_seed, workers=workers,
+        )  # fmt: skip
+        runs |= {(arm, rate, k, seed): h for (arm, k, seed), h in histories.items()}
+    choice = {}
+    for arm in arms:
+        means = [float(np.mean([h[-1]["sampled_accuracy"] for (a, r, _, _), h in runs.items()
+                                if a == arm and r == rate])) for rate in grid]  # fmt: skip
+        best = grid_choice(list(grid), means)
+        choice[arm] = {"learning_rate": best["value"], "index": best["index"],
+                       "inside": best["inside"], "means": means}  # fmt: skip
+    return choice, runs
+
+
+def tuning_records(choice: dict) -> dict:
+    """`tune_credit_rates`' choice as records: "credit_<arm>_learning_rate",
+    "credit_<arm>_lr_inside" and "credit_lr_inside", 1 when every arm's best rate lies strictly
+    inside the grid."""
+    records = {}
+    for arm, chosen in choice.items():
+        records[f"credit_{arm}_learning_rate"] = chosen["learning_rate"]
+        records[f"credit_{arm}_lr_inside"] = int(chosen["inside"])
+    records["credit_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
+    return records
 
 
 def warm_start_step_counts() -> list[int]:
@@ -152,8 +241,9 @@ def steps_to_target(history: list[dict], target: float) -> int | None:
 
 
 def credit_gain_summary(
-    histories: dict, target_gain: float, variance_ratio: float, toy_steps: int
-) -> tuple[dict, pd.DataFrame]:
+    histories: dict, target_gain: float, variance_ratio: float, toy_steps: int,
+    metric: str = "eval_accuracy",
+) -> tuple[dict, pd.DataFrame]:  # fmt: skip
     """What the runs of `run_credit_comparison` say about the prediction.
 
     Args:
@@ -162,6 +252,8 @@ def credit_gain_summary(
         target_gain: the target accuracy of a k is the warm start's accuracy there plus this.
         variance_ratio, toy_steps: section 2's exact variance ratio and the number of result
             positions of its toy, for `predicted_gain_slope`.
+        metric: the accuracy read from each history's first and last records: "eval_accuracy"
+            (greedy) or "sampled_accuracy" (`run_credit_comparison`'s eval_samples).
 
     Returns:
         records: "credit_step_counts", "credit_num_seeds", "credit_initial_accuracy" (per k,
@@ -178,20 +270,27 @@ def credit_gain_summary(
         prediction: "supports", "contradicts" or "can neither support nor contradict the
         predicted effect"), "credit_target_gain" and "credit_steps_to_target" (per arm, per
         k: the mean over the seeds that reached the target, None where none did, and how
-        many did).
+        many did). For every other treated arm m of the runs (`TREATED` after process):
+        "credit_<m>_gain" per k and "credit_<m>_gain_slope" with "_low", "_high", the same
+        paired reading against the outcome arm; with the placebo, "credit_information_slope"
+        (+ "_low", "_high"), the slope of process minus placebo: what the step labels' information
+        adds at the same density and scale.
         table: one row per k, the same numbers as columns.
     """
-    step_counts, seeds, outcome = _grid(histories, "outcome", final_accuracy)
-    _, _, process = _grid(histories, "process", final_accuracy)
+    last = lambda history: history[-1][metric]  # noqa: E731
+    arms = [arm for arm in ARMS if any(key[0] == arm for key in histories)]
+    step_counts, seeds, outcome = _grid(histories, "outcome", last)
     if len(step_counts) < 2 or len(seeds) < 2:
         raise ValueError(f"need two k and two seeds, got k {step_counts} and seeds {seeds}")
+    finals = {arm: _grid(histories, arm, last)[2] for arm in arms}
+    process = finals["process"]
     initial = {
-        k: histories["outcome", k, seeds[0]][0]["eval_accuracy"] for k in step_counts
+        k: histories["outcome", k, seeds[0]][0][metric] for k in step_counts
     }  # step 0: the same warm start and problems for every run of k
     gains = process - outcome  # (num_seeds, num_k), paired by seed
     final = {
         arm: {str(k): mean_interval(values[:, j]) for j, k in enumerate(step_counts)}
-        for arm, values in (("outcome", outcome), ("process", process))
+        for arm, values in finals.items()
     }
     gain = {str(k): mean_interval(gains[:, j]) for j, k in enumerate(step_counts)}
     learned = outcome - np.array([initial[k] for k in step_counts])  # (num_seeds, num_k)
@@ -201,10 +300,12 @@ def credit_gain_summary(
     mean_outcome_gain = float(learned.mean())
     predicted = predicted_gain_slope(variance_ratio, toy_steps, mean_outcome_gain)
     reached = {}
-    for arm in ARMS:
+    for arm in arms:
         reached[arm] = {}
         for k in step_counts:
-            steps = [steps_to_target(histories[arm, k, s], initial[k] + target_gain) for s in seeds]
+            steps = [steps_to_target(histories[arm, k, s],  # greedy, measured every eval_every
+                                     histories[arm, k, s][0]["eval_accuracy"] + target_gain)
+                     for s in seeds]  # fmt: skip
             hit = [step for step in steps if step is not None]
             reached[arm][str(k)] = {
                 "mean_steps": float(np.mean(hit)) if hit else None,
@@ -239,8 +340,42 @@ def credit_gain_summary(
         ),
         "credit_target_gain": target_gain,
         "credit_steps_to_target": reached,
+        "credit_metric": metric,
+        **_power(step_counts, gains, predicted),
     }
-    return records, _table(step_counts, initial, final, outcome_gain, gain, reached)
+    for arm in [arm for arm in arms if arm not in ("outcome", "process")]:
+        paired = finals[arm] - outcome
+        records[f"credit_{arm}_gain"] = {
+            str(k): mean_interval(paired[:, j]) for j, k in enumerate(step_counts)
+        }
+        trend = fitted_trend(step_counts, paired)
+        for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+            records[f"credit_{arm}_gain_slope{suffix}"] = trend[key]
+    if "process_placebo" in finals:
+        trend = fitted_trend(step_counts, process - finals["process_placebo"])
+        for key, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+            records[f"credit_information_slope{suffix}"] = trend[key]
+    table = _table(step_counts, initial, final, outcome_gain, gain, reached, arms)
+    return records, table
+
+
+def _power(step_counts, gains, predicted) -> dict:
+    """Power for the slope: each seed's own fitted slope of its paired gains over k, their SD
+    ("credit_slope_sd"), the seeds a two-sided 5% test needs for 80% power at the predicted
+    slope ("credit_seeds_needed", `core.stats.seeds_for_power`; None when there is no
+    prediction or no spread), the seeds run and the sentence ("credit_power_words")."""
+    per_seed = np.polyfit(np.asarray(step_counts, dtype=float), gains.T, 1)[0]
+    sd = float(np.std(per_seed, ddof=1))
+    sizable = predicted is not None and predicted != 0 and np.isfinite(sd) and sd > 1e-12
+    needed = seeds_for_power(sd, predicted) if sizable else None
+    words = (
+        f"{needed} seeds for 80% power at the predicted slope, against the {len(per_seed)} run"
+        if needed
+        else "no number of seeds: "
+        + ("there is no predicted slope" if not predicted else "the slopes have no spread")
+    )
+    return {"credit_slope_sd": sd, "credit_seeds_needed": needed,
+            "credit_seeds_run": len(per_seed), "credit_power_words": words}  # fmt: skip
 
 
 def _prediction_words(predicted, variance_ratio, toy_steps, outcome_gain) -> str:
@@ -263,17 +398,17 @@ def _interval_text(interval: dict) -> str:
     return f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
 
 
-def _table(step_counts, initial, final, outcome_gain, gain, reached) -> pd.DataFrame:
+def _table(step_counts, initial, final, outcome_gain, gain, reached, arms) -> pd.DataFrame:
     rows = []
     for k in map(str, step_counts):
         row = {"k (steps)": int(k), "warm start": initial[int(k)]}
-        for arm in ARMS:
+        for arm in arms:
             row[f"{arm}: final"] = final[arm][k]["mean"]
         for key in ("mean", "low"):
             row[f"outcome gain: {key}"] = outcome_gain[k][key]
         for key in ("mean", "low", "high"):
             row[f"gain: {key}"] = gain[k][key]
-        for arm in ARMS:
+        for arm in arms:
             target = reached[arm][k]
             # NaN: no seed of this arm reached the target within the run.
             steps = target["mean_steps"]

@@ -19,8 +19,7 @@ import pandas as pd
 
 from grpo_companion.chapters.sparsity.dynamics import probe_outcomes, probed_run, run_fingerprint
 from grpo_companion.chapters.sparsity.flow import fitted_prediction
-from grpo_companion.chapters.sparsity.sign import seeds_for_power
-from grpo_companion.core.stats import mean_interval
+from grpo_companion.core.stats import mean_interval, seeds_for_power
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
@@ -194,7 +193,7 @@ def easy_prediction(probes: dict, group_size: int, sharings, **flow) -> dict:
 
 def power_plan(pilot_changes, predicted: float, seeds_run: int, power: float = 0.8) -> dict:
     """Power before seeds: the per-seed SD of the pilot's changes of D, the seeds
-    `sign.seeds_for_power` needs to tell the `predicted` change from 0, and how many of them
+    `core.stats.seeds_for_power` needs to tell the `predicted` change from 0, and how many of them
     the `seeds_run` leave out. Returns {"sd", "needed", "run", "cut"}."""
     sd = per_seed_sd(pilot_changes)
     known = np.isfinite(sd) and np.isfinite(predicted)

@@ -18,7 +18,6 @@ from grpo_companion.chapters.sparsity.rate import (
     gradient_share,
     iid_degenerate_rate,
 )
-from grpo_companion.chapters.sparsity.sign import seeds_for_power
 from grpo_companion.core.advantages import (
     degenerate_fractions,
     group_advantages,
@@ -27,7 +26,13 @@ from grpo_companion.core.advantages import (
 )
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
-from grpo_companion.core.stats import grid_choice, interval_words, metric_by_step, seed_band
+from grpo_companion.core.stats import (
+    grid_choice,
+    interval_words,
+    metric_by_step,
+    seed_band,
+    seeds_for_power,
+)
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import Rollouts
@@ -236,7 +241,7 @@ def paired_differences(histories: dict, method: str, reference: str) -> np.ndarr
 def power_records(histories: dict, methods, reference: str, predicted: dict, num_pilot: int):
     """Power before seeds for each method's paired difference from `reference`: "<m>_pilot_sd"
     (SD of the first `num_pilot` seeds' differences), "<m>_seeds_needed" for 80% power at the
-    predicted difference (`sign.seeds_for_power`; None when the prediction is 0, an effect no
+    predicted difference (`core.stats.seeds_for_power`; None when the prediction is 0, an effect no
     number of seeds can size), "<m>_seeds_run" and "<m>_power_words", the sentence."""
     records = {}
     for name in [name for name in methods if name != reference]:

@@ -31,7 +31,7 @@ from grpo_companion.core.exact import (
     estimator_moments,
 )
 from grpo_companion.core.exact import degenerate_rate as exact_degenerate_rate
-from grpo_companion.core.stats import mean_interval
+from grpo_companion.core.stats import mean_interval, seeds_for_power
 
 ZOO = {"Dr. GRPO": ("dr_grpo", {}), "GRPO": ("grpo", {}), "Sign": ("sign", {})}
 
@@ -195,16 +195,6 @@ def tuned_comparison(runs: dict, methods, learning_rates, num_tune: int, referen
         ),
         "mean_final": {m: final[i, :, :num_tune].mean(-1) for i, m in enumerate(methods)},
     }
-
-
-def seeds_for_power(sd: float, effect: float, power: float = 0.8) -> int:
-    """Seeds a paired two-sided 5% test needs to detect `effect` with per-seed SD `sd` (normal
-    approximation, ((z_0.975 + z_power) sd / effect)^2 rounded up; at least 2)."""
-    from scipy.stats import norm
-
-    if not effect:
-        return 0
-    return max(2, int(np.ceil(((norm.ppf(0.975) + norm.ppf(power)) * sd / effect) ** 2)))
 
 
 def toy_regime(

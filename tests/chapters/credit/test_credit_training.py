@@ -14,7 +14,6 @@ from scipy import stats
 
 from grpo_companion.chapters.credit.plots import plot_credit_gain
 from grpo_companion.chapters.credit.training import (
-    ARMS,
     credit_gain_summary,
     predicted_gain_slope,
     run_credit_comparison,
@@ -98,7 +97,7 @@ def test_a_flat_gain_with_a_narrow_interval_contradicts_the_predicted_slope():
 def test_the_floor_and_learning_checks():
     histories = synthetic(lambda k: 0.0)
     for seed in SEEDS:  # k = 1: a warm start at the floor, and no learning
-        for arm in ARMS:
+        for arm in ("outcome", "process"):
             histories[arm, 1, seed] = [{"step": 0, "eval_accuracy": 0.02},
                                        {"step": 4, "eval_accuracy": 0.02}]  # fmt: skip
     histories["outcome", 2, 0] = history(0.1)  # k = 2: one seed lost what the others gained
@@ -111,7 +110,13 @@ def test_the_floor_and_learning_checks():
         records["credit_outcome_gain"]["2"]["low"] < 0 < records["credit_outcome_gain"]["2"]["mean"]
     )
     histories = {key: h for key, h in histories.items() if key[1] == 1 or key[1] == 2}
-    histories.update({(arm, 2, seed): histories[arm, 1, seed] for arm in ARMS for seed in SEEDS})
+    histories.update(
+        {
+            (arm, 2, seed): histories[arm, 1, seed]
+            for arm in ("outcome", "process")
+            for seed in SEEDS
+        }
+    )
     records, _ = credit_gain_summary(histories, 0.05, **TOY)  # nobody learned anything
     assert records["predicted_credit_gain_slope"] is None
     assert records["predicted_credit_gain_slope_how"].startswith("none: ")
@@ -165,14 +170,16 @@ def test_runs_pair_the_arms_at_tiny_size(random_tiny):
         max_steps=2, eval_every=2, micro_batch_size=8, rollout_batch_size=8,
     )  # fmt: skip
     # one process, so that the loads are counted here (workers fork their own copies)
-    histories = run_credit_comparison(fresh, tokenizer, [1, 2], [0, 1], config, 4, 2, workers=1)
+    arms = ("outcome", "process")
+    histories = run_credit_comparison(fresh, tokenizer, [1, 2], [0, 1], config, 4, 2, workers=1,
+                                      arms=arms)  # fmt: skip
     assert sorted(histories) == sorted(
-        (arm, k, seed) for arm in ARMS for k in (1, 2) for seed in (0, 1)
+        (arm, k, seed) for arm in arms for k in (1, 2) for seed in (0, 1)
     )
-    assert len(loads) == 8 + 2  # a fresh copy for every run, and one per k for its evaluation
+    assert len(loads) == 8 + 1  # a fresh copy for every run, and one for the evaluations
     for k in (1, 2):
         for seed in (0, 1):
-            pair = [histories[arm, k, seed] for arm in ARMS]
+            pair = [histories[arm, k, seed] for arm in arms]
             assert [len(h) for h in pair] == [3, 3]
             # Same warm start and held-out problems; same prompts and rollouts at step 1.
             assert pair[0][0] == pair[1][0]
@@ -199,3 +206,72 @@ def test_the_figure_draws_the_summary():
         predicted.get_ydata(), 0.125 + 0.01 * np.array([-1.5, -0.5, 0.5, 1.5])
     )
     plt.close(fig)
+
+
+def test_the_placebo_and_per_step_arms_are_read_against_outcome_and_process():
+    histories = synthetic(lambda k: 0.05 * k)
+    for (arm, k, seed), h in list(histories.items()):
+        if arm == "process":  # the placebo gains half of process; per-step all of it
+            histories["process_placebo", k, seed] = history(0.3 + 0.025 * k)
+            histories["process_per_step", k, seed] = h
+    records, table = credit_gain_summary(histories, 0.05, **TOY)
+    assert records["credit_process_placebo_gain_slope"] == pytest.approx(0.025)
+    assert records["credit_process_per_step_gain_slope"] == pytest.approx(0.05)
+    assert records["credit_information_slope"] == pytest.approx(0.025)  # process - placebo
+    assert "process_placebo: final" in table.columns
+    fig = plot_credit_gain(records, num_eval_prompts=50)
+    assert len(fig.axes[1].lines) >= 5
+    plt.close(fig)
+
+
+def test_runs_take_each_arms_rate_and_add_sampled_accuracy(random_tiny):
+    model, tokenizer = random_tiny
+    config = GRPOConfig(
+        num_generations=2, per_step_prompts=2, max_completion_length=6, learning_rate=1e-2,
+        max_steps=1, eval_every=1, micro_batch_size=8, rollout_batch_size=8,
+    )  # fmt: skip
+    arms = ("outcome", "process_placebo")
+    histories = run_credit_comparison(
+        lambda: copy.deepcopy(model), tokenizer, [2], [0], config, 4, 2, arms=arms,
+        learning_rates={"outcome": 1e-2, "process_placebo": 0.0 + 1e-9}, eval_samples=2,
+        workers=1,
+    )  # fmt: skip
+    for arm in arms:
+        first, last = histories[arm, 2, 0][0], histories[arm, 2, 0][-1]
+        assert 0 <= first["sampled_accuracy"] <= 1 and 0 <= last["sampled_accuracy"] <= 1
+    assert histories["outcome", 2, 0][0] == histories["process_placebo", 2, 0][0]
+
+
+def test_validation_chains_avoid_the_comparisons_test_problems():
+    from grpo_companion.chapters.credit.training import validation_chains
+    from grpo_companion.lm.gsm8k import load_arithmetic_chains
+
+    test = {k: load_arithmetic_chains("test", k, 20, seed=0) for k in (2, 3)}
+    validation = validation_chains([2, 3], 10, 0, test)
+    for k in (2, 3):
+        assert len(validation[k]) == 10
+        assert not set(validation[k]["question"]) & set(test[k]["question"])
+
+
+def test_tuning_takes_each_arms_best_rate(monkeypatch):
+    from grpo_companion.chapters.credit import training
+
+    best = {"outcome": 3e-5, "process": 1e-4}
+
+    def fake(loader, tokenizer, step_counts, seeds, config, num_train, num_eval, *, arms,
+             learning_rates, eval_data, eval_samples, data_seed, workers):  # fmt: skip
+        return {
+            (arm, k, seed): [{"sampled_accuracy": 0.1},
+                             {"sampled_accuracy": 0.5 - abs(np.log10(learning_rates[arm])
+                                                            - np.log10(best[arm]))}]
+            for arm in arms for k in step_counts for seed in seeds
+        }  # fmt: skip
+
+    monkeypatch.setattr(training, "run_credit_comparison", fake)
+    choice, runs = training.tune_credit_rates(
+        None, None, ["outcome", "process"], [1e-5, 3e-5, 1e-4], [3], [1000], None, 4, {},
+        eval_samples=2, data_seed=0,
+    )  # fmt: skip
+    assert choice["outcome"]["learning_rate"] == 3e-5 and choice["outcome"]["inside"]
+    assert choice["process"]["learning_rate"] == 1e-4 and not choice["process"]["inside"]
+    assert len(runs) == 2 * 3

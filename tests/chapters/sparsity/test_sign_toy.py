@@ -5,6 +5,7 @@ import pytest
 
 from grpo_companion.chapters.sparsity import sign as sparsity_sign
 from grpo_companion.core.exact import binary_group_advantages
+from grpo_companion.core.stats import seeds_for_power
 
 METHODS = ["dr_grpo", "sign"]
 
@@ -100,8 +101,8 @@ def test_error_grid_source_regime():
 
 
 def test_seeds_for_power():
-    assert sparsity_sign.seeds_for_power(1.0, 1.0) == 8  # (1.96 + 0.84)^2 = 7.85
-    assert sparsity_sign.seeds_for_power(0.01, 1.0) == 2
+    assert seeds_for_power(1.0, 1.0) == 8  # (1.96 + 0.84)^2 = 7.85
+    assert seeds_for_power(0.01, 1.0) == 2
 
 
 def test_toy_regime_records_its_start_and_a_prediction():
