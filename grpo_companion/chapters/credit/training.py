@@ -270,7 +270,7 @@ def credit_gain_summary(
         prediction: "supports", "contradicts" or "can neither support nor contradict the
         predicted effect"), "credit_target_gain" and "credit_steps_to_target" (per arm, per
         k: the mean over the seeds that reached the target, None where none did, and how
-        many did). For every other treated arm m of the runs (`TREATED` after process):
+        many did). For every other arm m of the runs (the placebo, per step):
         "credit_<m>_gain" per k and "credit_<m>_gain_slope" with "_low", "_high", the same
         paired reading against the outcome arm; with the placebo, "credit_information_slope"
         (+ "_low", "_high"), the slope of process minus placebo: what the step labels' information
