@@ -230,11 +230,17 @@ def shuffle_step_rewards(step_rewards: Tensor, step_mask: Tensor, generator) -> 
     return shuffled
 
 
-def per_step_process_advantages(advantages: Tensor, step_mask: Tensor) -> Tensor:
-    """Process advantages `(B * G, T)` divided by each completion's number of steps (from
-    `step_mask` (B, G, S)): the same direction per token, without the scale that grows with k."""
-    counts = step_mask.flatten(0, 1).sum(-1).clamp(min=1).to(advantages.dtype)
-    return advantages / counts[:, None]
+def per_step_process_advantages(advantages: Tensor, step_ends: Tensor, step_mask: Tensor) -> Tensor:
+    """Process advantages `(B * G, T)` divided, token by token, by the number of steps that end
+    at or after the token (from `step_ends`, `step_mask` (B, G, S)): the mean of the normalised
+    rewards still ahead instead of their sum, so an early token no longer carries k + 1 terms
+    against a late token's one. Tokens after the last step keep their 0."""
+    num_rollouts, seq_len = advantages.shape
+    mask = step_mask.reshape(num_rollouts, -1).to(advantages.dtype)
+    at_ends = torch.zeros_like(advantages)
+    at_ends.scatter_add_(1, step_ends.reshape(num_rollouts, -1).clamp(0, seq_len - 1), mask)
+    ahead = at_ends.flip(1).cumsum(1).flip(1)  # steps that end at or after each token
+    return advantages / ahead.clamp(min=1)
 
 
 def _passk_advantages(rewards: Tensor, scale_rewards: str, eps: float) -> Tensor:

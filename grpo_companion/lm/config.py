@@ -55,8 +55,9 @@ class GRPOConfig:
     after it (`advantages.process_advantages`). It needs the training problems' answer fields
     (`trainer.train` passes them to `trainer.grpo_step`). ``"process_placebo"`` shuffles the
     worked steps' rewards within each group (`advantages.shuffle_step_rewards`: the same density
-    and scale, no information); ``"process_per_step"`` divides each completion's process
-    advantages by its number of steps (`advantages.per_step_process_advantages`).
+    and multiset of labels, no information); ``"process_per_step"`` gives each token the mean
+    instead of the sum of the normalised rewards of the steps still ahead
+    (`advantages.per_step_process_advantages`).
 
     A sampler that is not the policy (TRL's vLLM importance sampling, chapter 13): ``top_p < 1``
     samples from the renormalised nucleus while the loss differentiates the full softmax, as TRL

@@ -269,7 +269,7 @@ def grpo_step(
             steps = shuffle_step_rewards(steps, mask, shuffle)
         advantages = process_advantages(steps, ends, mask, rollouts.completion_ids.shape[1])
         if config.credit == "process_per_step":
-            advantages = per_step_process_advantages(advantages, mask)
+            advantages = per_step_process_advantages(advantages, ends, mask)
     else:
         advantages = group_advantages(
             rewards, config.method, scale_rewards=config.scale_rewards

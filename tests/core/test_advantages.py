@@ -419,8 +419,14 @@ def test_shuffle_step_rewards_permutes_the_worked_steps_within_each_group():
     assert len(draws) > 1  # a permutation, not the identity
 
 
-def test_per_step_process_advantages_divide_by_each_completions_steps():
-    advantages = torch.tensor([[3.0, 3.0], [2.0, 0.0]])
+def test_per_step_process_advantages_average_the_steps_still_ahead():
+    # one group of two completions, T = 4: steps end at tokens (0, 2, 3) and (1, 3)
+    rewards = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]])
+    ends = torch.tensor([[[0, 2, 3], [1, 3, 0]]])
     mask = torch.tensor([[[True, True, True], [True, True, False]]])
-    expected = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    assert torch.equal(per_step_process_advantages(advantages, mask), expected)
+    summed = process_advantages(rewards, ends, mask, 4)
+    averaged = per_step_process_advantages(summed, ends, mask)
+    ahead = torch.tensor([[3.0, 2.0, 2.0, 1.0], [2.0, 2.0, 1.0, 1.0]])
+    torch.testing.assert_close(averaged, summed / ahead)
+    # the last token of each completion keeps its one term: the outcome's normalised reward
+    torch.testing.assert_close(averaged[:, 3], summed[:, 3])

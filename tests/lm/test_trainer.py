@@ -450,8 +450,12 @@ def test_process_credit_variants_train_on_their_advantages(initial, data, credit
         shuffle = torch.Generator().manual_seed(rollout_seed(config.seed, 1))
         steps = shuffle_step_rewards(steps, mask, shuffle)
     advantages = process_advantages(steps, ends, mask, rollouts.completion_ids.shape[1])
-    if credit == "process_per_step":
-        advantages = advantages / mask.flatten(0, 1).sum(-1)[:, None]
+    if credit == "process_per_step":  # each token's advantage over the steps still ahead
+        ahead = torch.zeros_like(advantages)
+        for row, (row_ends, row_mask) in enumerate(zip(ends.flatten(0, 1), mask.flatten(0, 1))):
+            for end in row_ends[row_mask].tolist():
+                ahead[row, : end + 1] += 1
+        advantages = advantages / ahead.clamp(min=1)
     completion = rollouts.completion_mask
     expected = -((advantages * completion).sum(1) / completion.sum(1)).mean()
     assert history[1]["loss"] == pytest.approx(expected.item(), abs=1e-6)

@@ -149,6 +149,11 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
     `seeds` and `step_counts`, measured by sampled accuracy on `validation` ({k: problems});
     the rate with the best mean final accuracy (`core.stats.grid_choice`). Returns (arm ->
     {"learning_rate", "index", "inside", "means"}, the tuning histories by (arm, rate, k, seed))."""
+    missing = [k for k in step_counts if k not in validation]
+    if missing:
+        raise ValueError(
+            f"no validation problems for k = {missing}: tune at k in {list(validation)}"
+        )
     runs = {}
     for rate in grid:
         histories = run_credit_comparison(
@@ -343,6 +348,10 @@ def credit_gain_summary(
         "credit_metric": metric,
         **_power(step_counts, gains, predicted),
     }
+    for arm in [arm for arm in ARMS if arm not in arms]:  # an arm not run: nothing measured
+        records[f"credit_{arm}_gain"] = None
+        records |= {f"credit_{arm}_gain_slope{suffix}": None for suffix in ("", "_low", "_high")}
+    records |= {f"credit_information_slope{suffix}": None for suffix in ("", "_low", "_high")}
     for arm in [arm for arm in arms if arm not in ("outcome", "process")]:
         paired = finals[arm] - outcome
         records[f"credit_{arm}_gain"] = {

@@ -269,9 +269,12 @@ def test_tuning_takes_each_arms_best_rate(monkeypatch):
 
     monkeypatch.setattr(training, "run_credit_comparison", fake)
     choice, runs = training.tune_credit_rates(
-        None, None, ["outcome", "process"], [1e-5, 3e-5, 1e-4], [3], [1000], None, 4, {},
+        None, None, ["outcome", "process"], [1e-5, 3e-5, 1e-4], [3], [1000], None, 4, {3: "v"},
         eval_samples=2, data_seed=0,
     )  # fmt: skip
+    assert len(runs) == 2 * 3
+    with pytest.raises(ValueError, match=r"no validation problems for k = \[2\]"):
+        training.tune_credit_rates(None, None, ["outcome"], [1e-5], [2], [1000], None, 4, {3: "v"},
+                                   eval_samples=2, data_seed=0)  # fmt: skip
     assert choice["outcome"]["learning_rate"] == 3e-5 and choice["outcome"]["inside"]
     assert choice["process"]["learning_rate"] == 1e-4 and not choice["process"]["inside"]
-    assert len(runs) == 2 * 3
