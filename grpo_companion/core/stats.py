@@ -123,12 +123,15 @@ def seeds_for_power(sd: float, effect: float, power: float = 0.8) -> int:
     return max(2, int(np.ceil(((norm.ppf(0.975) + norm.ppf(power)) * sd / effect) ** 2)))
 
 
-def grid_choice(grid, scores) -> dict:
-    """The value of `grid` (ascending) with the highest of `scores` (one per value; the first,
-    lowest, value wins a tie): "value", "index", and "inside", whether it lies strictly inside
-    the grid (an optimum at an end may lie beyond it)."""
-    best = int(np.argmax(scores))
-    return {"value": grid[best], "index": best, "inside": 0 < best < len(grid) - 1}
+def grid_choice(grid, means) -> dict:
+    """The learning rate of `grid` (ascending) with the highest of `means` (one per rate, e.g.
+    the mean validation accuracy over tuning seeds; the first, lowest, rate wins a tie):
+    "learning_rate", "index", "inside" (whether it lies strictly inside the grid: an optimum at
+    an end may lie beyond it) and "means"."""
+    means = [float(mean) for mean in means]
+    best = int(np.argmax(means))
+    return {"learning_rate": grid[best], "index": best, "inside": 0 < best < len(grid) - 1,
+            "means": means}  # fmt: skip
 
 
 def interval_reading(low, high, predicted) -> int:

@@ -75,7 +75,17 @@ def test_moving_block_bootstrap_is_seeded_and_checks_its_block():
 def test_grid_choice_takes_the_best_the_lowest_on_a_tie_and_says_whether_it_is_inside():
     from grpo_companion.core.stats import grid_choice
 
-    assert grid_choice([1, 2, 3], [0.1, 0.5, 0.2]) == {"value": 2, "index": 1, "inside": True}
-    assert grid_choice([1, 2, 3], [0.5, 0.5, 0.2]) == {"value": 1, "index": 0, "inside": False}
+    assert grid_choice([1, 2, 3], [0.1, 0.5, 0.2]) == {
+        "learning_rate": 2,
+        "index": 1,
+        "inside": True,
+        "means": [0.1, 0.5, 0.2],
+    }
+    assert grid_choice([1, 2, 3], [0.5, 0.5, 0.2]) == {
+        "learning_rate": 1,
+        "index": 0,
+        "inside": False,
+        "means": [0.5, 0.5, 0.2],
+    }
     assert grid_choice([1, 2, 3], [0.1, 0.2, 0.3])["inside"] is False
-    assert grid_choice([1, 2], [0.3, 0.3])["value"] == 1
+    assert grid_choice([1, 2], [0.3, 0.3])["learning_rate"] == 1

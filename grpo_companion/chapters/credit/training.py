@@ -166,9 +166,7 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
     for arm in arms:
         means = [float(np.mean([h[-1]["sampled_accuracy"] for (a, r, _, _), h in runs.items()
                                 if a == arm and r == rate])) for rate in grid]  # fmt: skip
-        best = grid_choice(list(grid), means)
-        choice[arm] = {"learning_rate": best["value"], "index": best["index"],
-                       "inside": best["inside"], "means": means}  # fmt: skip
+        choice[arm] = grid_choice(list(grid), means)
     return choice, runs
 
 

@@ -245,9 +245,7 @@ def tuning_choice(results: dict, grids: dict[str, list[float]]) -> dict:
             )
             for value in grid
         ]
-        best = grid_choice(grid, means)
-        choice[arm] = {"learning_rate": best["value"], "index": best["index"],
-                       "inside": best["inside"], "means": means}  # fmt: skip
+        choice[arm] = grid_choice(grid, means)
     return choice
 
 

@@ -191,9 +191,7 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     for name in methods:
         means = [float(np.mean([h[-1]["eval_accuracy"] for (arm, _), h in tuning.items()
                                 if arm == (name, rate)])) for rate in learning_rates]  # fmt: skip
-        best = grid_choice(list(learning_rates), means)
-        choice[name] = {"learning_rate": best["value"], "index": best["index"],
-                        "inside": best["inside"], "means": means}  # fmt: skip
+        choice[name] = grid_choice(list(learning_rates), means)
     chosen = {name: {**methods[name], "learning_rate": choice[name]["learning_rate"]}
               for name in methods}  # fmt: skip
     histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
