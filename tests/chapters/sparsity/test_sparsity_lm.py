@@ -165,6 +165,34 @@ def test_remedy_summary_hand_built():
     assert table.index.tolist() == ["grpo", "sign"]
 
 
+def test_sampled_summary_pairs_final_sampled_accuracies_by_seed():
+    from grpo_companion.chapters.sparsity.lm_runs import sampled_summary
+
+    def history(start, end):
+        return [{"sampled_accuracy": start}, {"sampled_accuracy": end}]
+
+    histories = {("dr", 0): history(0.3, 0.4), ("dr", 1): history(0.3, 0.3),
+                 ("dr", 2): history(0.3, 0.5), ("sign", 0): history(0.3, 0.5),
+                 ("sign", 1): history(0.3, 0.5), ("sign", 2): history(0.3, 0.6)}  # fmt: skip
+    records = sampled_summary(histories, ["dr", "sign"], "dr")
+    difference = [0.1, 0.2, 0.1]
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(difference), scale=stats.sem(difference))
+    assert records["sign_minus_dr_sampled"] == pytest.approx(np.mean(difference))
+    assert records["sign_minus_dr_sampled_low"] == pytest.approx(low)
+    assert records["sign_minus_dr_sampled_high"] == pytest.approx(high)
+    assert records["dr_sampled_gain"] == pytest.approx(0.1)
+    assert records["sign_sampled_gain"] == pytest.approx((0.2 + 0.2 + 0.3) / 3)
+    assert "dr_minus_dr_sampled" not in records
+    rising = {key: [dict(h[0], sampled_accuracy=0.3), *h[1:-1], dict(h[-1], sampled_accuracy=0.4)]
+              for key, h in RISING.items()}  # fmt: skip
+    summary, _ = remedy_summary(rising, ["grpo", "sign"], "grpo", {"sign": 0.1},
+                                {"grpo": "GRPO", "sign": "Sign"})  # fmt: skip
+    assert summary["sign_minus_grpo_sampled"] == pytest.approx(0.0)
+    plain, _ = remedy_summary(RISING, ["grpo", "sign"], "grpo", {"sign": 0.1},
+                              {"grpo": "GRPO", "sign": "Sign"})  # fmt: skip
+    assert not any("sampled" in key for key in plain)
+
+
 def test_sample_sparsity_hand_built():
     rewards = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
     truncated = torch.tensor([True, True, False, False, True, False])
@@ -210,17 +238,42 @@ def test_remedy_runs_train_every_method_on_every_seed_from_a_fresh_copy(random_t
     )  # fmt: skip
     assert list(histories) == [("grpo", 0), ("grpo", 1), ("sign", 0), ("sign", 1)]
     assert all(history[0]["eval_accuracy"] == 0.0 for history in histories.values())
+    assert all("sampled_accuracy" not in history[-1] for history in histories.values())
+
+
+def test_remedy_runs_add_the_sampled_accuracy_of_the_start_and_of_each_trained_model(random_tiny):
+    import copy
+
+    from grpo_companion.chapters.sparsity.lm_runs import remedy_runs
+    from grpo_companion.lm.config import GRPOConfig
+    from grpo_companion.lm.gsm8k import load_gsm8k
+    from grpo_companion.lm.trainer import sampled_held_out_accuracy
+
+    model, tokenizer = random_tiny
+    grpo = {"num_generations": 2, "per_step_prompts": 2, "max_completion_length": 4,
+            "max_steps": 1, "eval_every": 1, "learning_rate": 1e-30}  # fmt: skip
+    test = load_gsm8k("test", source="arithmetic", num_examples=2, seed=0)
+    histories = remedy_runs(
+        lambda: copy.deepcopy(model), tokenizer,
+        load_gsm8k("train", source="arithmetic", num_examples=4, seed=0), test,
+        grpo, {"grpo": {"method": "grpo"}}, [0, 1], initial_accuracy=0.0, eval_samples=3,
+        sample_seed=5, workers=1,
+    )  # fmt: skip
+    start = sampled_held_out_accuracy(model, tokenizer, test, GRPOConfig(**grpo), 3, 5)
+    for history in histories.values():  # a step of 1e-30 is below float32 rounding: no change
+        assert history[0]["sampled_accuracy"] == history[-1]["sampled_accuracy"] == start
 
 
 def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_seeds(monkeypatch):
     from grpo_companion.chapters.sparsity import lm_runs
 
-    calls = []
+    calls, samplings = [], []
     best = {"dr_grpo": 3e-5, "sign": 1e-4}
 
     def fake_remedy_runs(load_model, tokenizer, train, evaluation, grpo, methods, seeds, *,
-                         initial_accuracy):  # fmt: skip
+                         initial_accuracy, **sampling):  # fmt: skip
         calls.append((evaluation, dict(methods), list(seeds), initial_accuracy))
+        samplings.append(sampling)
         return {
             (name, seed): [
                 {"step": 0, "eval_accuracy": initial_accuracy},
@@ -236,9 +289,10 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
     methods = {"dr_grpo": {"method": "dr_grpo"}, "sign": {"method": "sign"}}
     histories, choice, tuned = lm_runs.tuned_remedy_runs(
         None, None, "train", "validation", "test", {"max_steps": 2}, methods, [1e-5, 3e-5, 1e-4],
-        [1000], [0, 1], initial_validation=0.1, initial_test=0.2,
+        [1000], [0, 1], initial_validation=0.1, initial_test=0.2, eval_samples=4, sample_seed=7,
     )  # fmt: skip
     (tune_data, grid, tune_seeds, tune_start), (data, chosen, seeds, start) = calls
+    assert samplings == [{}, {"eval_samples": 4, "sample_seed": 7}]  # the comparison only
     assert (tune_data, tune_seeds, tune_start) == ("validation", [1000], 0.1)
     assert len(grid) == 6 and grid[("sign", 1e-5)] == {"method": "sign", "learning_rate": 1e-5}
     assert (data, seeds, start) == ("test", [0, 1], 0.2)
