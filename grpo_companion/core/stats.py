@@ -123,15 +123,19 @@ def seeds_for_power(sd: float, effect: float, power: float = 0.8) -> int:
     return max(2, int(np.ceil(((norm.ppf(0.975) + norm.ppf(power)) * sd / effect) ** 2)))
 
 
-def grid_choice(grid, means) -> dict:
+def grid_choice(grid, means, start: float | None = None) -> dict:
     """The learning rate of `grid` (ascending) with the highest of `means` (one per rate, e.g.
     the mean validation accuracy over tuning seeds; the first, lowest, rate wins a tie):
     "learning_rate", "index", "inside" (whether it lies strictly inside the grid: an optimum at
-    an end may lie beyond it) and "means"."""
+    an end may lie beyond it), "means" and, given the measure before training `start`,
+    "learned": whether the best rate raised it (None without `start`). A grid on which nothing
+    learns ties at `start` and returns its lowest rate, so "inside" alone would call it a choice
+    at the grid's edge."""
     means = [float(mean) for mean in means]
     best = int(np.argmax(means))
+    learned = None if start is None else bool(means[best] > start)
     return {"learning_rate": grid[best], "index": best, "inside": 0 < best < len(grid) - 1,
-            "means": means}  # fmt: skip
+            "means": means, "learned": learned}  # fmt: skip
 
 
 def interval_reading(low, high, predicted) -> int:

@@ -80,12 +80,18 @@ def test_grid_choice_takes_the_best_the_lowest_on_a_tie_and_says_whether_it_is_i
         "index": 1,
         "inside": True,
         "means": [0.1, 0.5, 0.2],
+        "learned": None,
     }
     assert grid_choice([1, 2, 3], [0.5, 0.5, 0.2]) == {
         "learning_rate": 1,
         "index": 0,
         "inside": False,
         "means": [0.5, 0.5, 0.2],
+        "learned": None,
     }
     assert grid_choice([1, 2, 3], [0.1, 0.2, 0.3])["inside"] is False
     assert grid_choice([1, 2], [0.3, 0.3])["learning_rate"] == 1
+    # a grid on which nothing learns ties at the start: its lowest rate, and learned False
+    flat = grid_choice([1, 2, 3], [0.3, 0.3, 0.3], start=0.3)
+    assert (flat["learning_rate"], flat["inside"], flat["learned"]) == (1, False, False)
+    assert grid_choice([1, 2, 3], [0.2, 0.31, 0.1], start=0.3)["learned"] is True

@@ -135,8 +135,9 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
                       data_seed: int, workers=None) -> tuple[dict, dict]:  # fmt: skip
     """Each arm's learning rate: every arm at every rate of `grid` (ascending) on the tuning
     `seeds` and `step_counts`, measured by sampled accuracy on `validation` ({k: problems});
-    the rate with the best mean final accuracy (`core.stats.grid_choice`). Returns (arm ->
-    {"learning_rate", "index", "inside", "means"}, the tuning histories by (arm, rate, k, seed))."""
+    the rate with the best mean final accuracy (`core.stats.grid_choice`; "learned" when it beats
+    the warm start's). Returns (arm -> {"learning_rate", "index", "inside", "means", "learned"},
+    the tuning histories by (arm, rate, k, seed))."""
     missing = [k for k in step_counts if k not in validation]
     if missing:
         raise ValueError(
@@ -154,18 +155,22 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
     for arm in arms:
         means = [float(np.mean([h[-1]["sampled_accuracy"] for (a, r, _, _), h in runs.items()
                                 if a == arm and r == rate])) for rate in grid]  # fmt: skip
-        choice[arm] = grid_choice(list(grid), means)
+        start = float(np.mean([h[0]["sampled_accuracy"] for (a, _, _, _), h in runs.items()
+                               if a == arm]))  # fmt: skip
+        choice[arm] = grid_choice(list(grid), means, start=start)
     return choice, runs
 
 
 def tuning_records(choice: dict) -> dict:
     """`tune_credit_rates`' choice as records: "credit_<arm>_learning_rate",
-    "credit_<arm>_lr_inside" and "credit_lr_inside", 1 when every arm's best rate lies strictly
-    inside the grid."""
+    "credit_<arm>_lr_inside", "credit_<arm>_tune_learned" (1 when its best rate beat the warm
+    start on the validation chains) and "credit_lr_inside", 1 when every arm's best rate lies
+    strictly inside the grid."""
     records = {}
     for arm, chosen in choice.items():
         records[f"credit_{arm}_learning_rate"] = chosen["learning_rate"]
         records[f"credit_{arm}_lr_inside"] = int(chosen["inside"])
+        records[f"credit_{arm}_tune_learned"] = int(bool(chosen["learned"]))
     records["credit_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
     return records
 

@@ -195,9 +195,9 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`
     by greedy accuracy and, with `eval_samples` K > 0, sampled accuracy (`remedy_runs`).
     Returns (histories of the comparison, as `remedy_runs`; choice: method -> {"learning_rate",
-    "index", "inside", "means": the mean final validation accuracy at each rate}; the tuning
-    runs at each method's chosen rate, (method, seed) -> history, from which the prediction is
-    made before the comparison runs).
+    "index", "inside", "learned", "means": the mean final validation accuracy at each rate};
+    the tuning runs at each method's chosen rate, (method, seed) -> history, from which the
+    prediction is made before the comparison runs).
     """
     grid = {(name, rate): {**methods[name], "learning_rate": rate}
             for name in methods for rate in learning_rates}  # fmt: skip
@@ -207,7 +207,7 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     for name in methods:
         means = [float(np.mean([h[-1]["eval_accuracy"] for (arm, _), h in tuning.items()
                                 if arm == (name, rate)])) for rate in learning_rates]  # fmt: skip
-        choice[name] = grid_choice(list(learning_rates), means)
+        choice[name] = grid_choice(list(learning_rates), means, start=initial_validation)
     chosen = {name: {**methods[name], "learning_rate": choice[name]["learning_rate"]}
               for name in methods}  # fmt: skip
     histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
@@ -220,7 +220,8 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
 
 def tuning_records(choice: dict, methods: dict, reference: str) -> dict:
     """The records of `tuned_remedy_runs`' choice: "<m>_learning_rate", "<m>_lr_inside" (1 or
-    0) per method, "remedy_lr_inside", 1 when every method's optimum lies inside the grid, and
+    0) and "<m>_tune_learned" (1 when its best rate raised validation accuracy above the start)
+    per method, "remedy_lr_inside", 1 when every method's optimum lies inside the grid, and
     "<m>_same_loss", 1 when a method's overrides (`methods`: name -> GRPOConfig fields) differ
     from the `reference`'s only in the advantage (`method`) and `filter_degenerate`: the same
     loss aggregation, so the comparison changes one thing."""
@@ -228,6 +229,7 @@ def tuning_records(choice: dict, methods: dict, reference: str) -> dict:
     for name, chosen in choice.items():
         records[f"{name}_learning_rate"] = chosen["learning_rate"]
         records[f"{name}_lr_inside"] = int(chosen["inside"])
+        records[f"{name}_tune_learned"] = int(bool(chosen["learned"]))
     records["remedy_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
     varied = ("method", "filter_degenerate", "learning_rate")
     base = {k: v for k, v in methods[reference].items() if k not in varied}

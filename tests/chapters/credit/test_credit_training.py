@@ -278,3 +278,8 @@ def test_tuning_takes_each_arms_best_rate(monkeypatch):
                                    eval_samples=2, data_seed=0)  # fmt: skip
     assert choice["outcome"]["learning_rate"] == 3e-5 and choice["outcome"]["inside"]
     assert choice["process"]["learning_rate"] == 1e-4 and not choice["process"]["inside"]
+    assert choice["outcome"]["learned"] and choice["process"]["learned"]  # 0.5 against 0.1
+    records = training.tuning_records(choice)
+    assert records["credit_outcome_tune_learned"] == records["credit_process_tune_learned"] == 1
+    flat = {arm: {**chosen, "learned": False} for arm, chosen in choice.items()}
+    assert training.tuning_records(flat)["credit_outcome_tune_learned"] == 0

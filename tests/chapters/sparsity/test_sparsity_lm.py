@@ -301,7 +301,9 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
     expected = [10.5 - np.log10(3), 10.5, 10.5 - np.log10(10 / 3)]  # + 0.01 x tuning seed 1000
     assert choice["dr_grpo"]["means"] == pytest.approx(expected)
     records = lm_runs.tuning_records(choice, methods, "dr_grpo")
+    assert choice["dr_grpo"]["learned"] and choice["sign"]["learned"]  # above the start, 0.1
     assert records == {"dr_grpo_learning_rate": 3e-5, "dr_grpo_lr_inside": 1,
+                       "dr_grpo_tune_learned": 1, "sign_tune_learned": 1,
                        "sign_learning_rate": 1e-4, "sign_lr_inside": 0,
                        "remedy_lr_inside": 0, "dr_grpo_same_loss": 1,
                        "sign_same_loss": 1}  # fmt: skip
