@@ -123,19 +123,26 @@ def seeds_for_power(sd: float, effect: float, power: float = 0.8) -> int:
     return max(2, int(np.ceil(((norm.ppf(0.975) + norm.ppf(power)) * sd / effect) ** 2)))
 
 
-def grid_choice(grid, means, start: float | None = None) -> dict:
+def grid_choice(grid, means, start: float | None = None, margin: float = 0.0) -> dict:
     """The learning rate of `grid` (ascending) with the highest of `means` (one per rate, e.g.
     the mean validation accuracy over tuning seeds; the first, lowest, rate wins a tie):
     "learning_rate", "index", "inside" (whether it lies strictly inside the grid: an optimum at
     an end may lie beyond it), "means" and, given the measure before training `start`,
-    "learned": whether the best rate raised it (None without `start`). A grid on which nothing
-    learns ties at `start` and returns its lowest rate, so "inside" alone would call it a choice
-    at the grid's edge."""
+    "learned": whether the best rate raised it by more than `margin` (the measure's noise, e.g.
+    `accuracy_noise`; None without `start`). A grid on which nothing learns returns the argmax
+    of noise, often its lowest rate (ties), so "inside" alone would call it a choice."""
     means = [float(mean) for mean in means]
     best = int(np.argmax(means))
-    learned = None if start is None else bool(means[best] > start)
+    learned = None if start is None else bool(means[best] - start > margin)
     return {"learning_rate": grid[best], "index": best, "inside": 0 < best < len(grid) - 1,
             "means": means, "learned": learned}  # fmt: skip
+
+
+def accuracy_noise(accuracy: float, num_problems: int) -> float:
+    """Two binomial standard errors of an accuracy measured on `num_problems` problems,
+    2 sqrt(p (1 - p) / n): a gain smaller than this on one tuning run is not told from noise."""
+    p = min(max(float(accuracy), 0.0), 1.0)
+    return 2.0 * float(np.sqrt(p * (1.0 - p) / num_problems))
 
 
 def interval_reading(low, high, predicted) -> int:

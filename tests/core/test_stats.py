@@ -95,3 +95,13 @@ def test_grid_choice_takes_the_best_the_lowest_on_a_tie_and_says_whether_it_is_i
     flat = grid_choice([1, 2, 3], [0.3, 0.3, 0.3], start=0.3)
     assert (flat["learning_rate"], flat["inside"], flat["learned"]) == (1, False, False)
     assert grid_choice([1, 2, 3], [0.2, 0.31, 0.1], start=0.3)["learned"] is True
+    # a gain within the measure's noise is not learning
+    assert grid_choice([1, 2, 3], [0.2, 0.31, 0.1], start=0.3, margin=0.05)["learned"] is False
+
+
+def test_accuracy_noise_is_two_binomial_standard_errors():
+    from grpo_companion.core.stats import accuracy_noise
+
+    assert accuracy_noise(0.5, 100) == pytest.approx(0.1)
+    assert accuracy_noise(0.4, 100) == pytest.approx(2 * (0.24 / 100) ** 0.5)
+    assert accuracy_noise(0.0, 100) == 0.0 and accuracy_noise(1.2, 10) == 0.0

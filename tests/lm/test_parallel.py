@@ -59,3 +59,40 @@ def test_a_failing_run_fails_the_map_with_its_key_and_traceback():
     ):
         map_runs(run, ["a", "b", "c"], workers=2)
     assert map_runs(run, ["a", "c"], workers=2) == {"a": "aa", "c": "cc"}
+
+
+def test_kept_runs_survive_a_failed_map_and_are_not_run_again(tmp_path):
+    from grpo_companion.lm.parallel import run_store
+
+    store = run_store(tmp_path, {"learning_rate": 1e-5}, ["question one"])
+    log = tmp_path / "ran.txt"
+
+    def run(key):
+        with open(log, "a") as file:  # workers are processes: count the runs in a file
+            file.write(f"{key}\n")
+        if key == "b" and not (tmp_path / "fixed").exists():
+            raise ValueError("no such arm")
+        return {"key": key, "weights": torch.full((2,), float(len(key)))}
+
+    with pytest.raises(RuntimeError, match="no such arm"):
+        map_runs(run, ["a", "b", "cc"], workers=2, keep=store)
+    assert sorted(log.read_text().split()) == ["a", "b", "cc"]
+    (tmp_path / "fixed").touch()
+    log.unlink()
+    results = map_runs(run, ["a", "b", "cc"], workers=1, keep=store)
+    assert log.read_text().split() == ["b"]  # a and cc were kept
+    assert list(results) == ["a", "b", "cc"]
+    assert torch.equal(results["cc"]["weights"], torch.tensor([2.0, 2.0]))
+    assert not list(store.glob("*.partial"))
+
+
+def test_run_store_is_named_by_everything_the_runs_depend_on(tmp_path):
+    from grpo_companion.lm.parallel import run_store
+
+    weights = {"w": torch.zeros(3), "b": torch.ones(1)}
+    same = run_store(tmp_path, {"learning_rate": 1e-5}, weights)
+    assert run_store(tmp_path, {"learning_rate": 1e-5}, dict(weights)) == same
+    assert run_store(tmp_path, {"learning_rate": 3e-5}, weights) != same
+    moved = {"w": torch.tensor([0.0, 0.0, 1e-7]), "b": torch.ones(1)}
+    assert run_store(tmp_path, {"learning_rate": 1e-5}, moved) != same
+    assert same.parent == tmp_path

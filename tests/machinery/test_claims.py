@@ -579,6 +579,23 @@ def test_each_rule_gives_each_example_its_verdict(claim):
     assert judged["contradicting"]["reason"].startswith("contradicted: ")
 
 
+@pytest.mark.parametrize(
+    "claim_id, tuned, learned",
+    [("R_sign_beats_dr_grpo", "dr_grpo_tune_learned", {"dr_grpo_accuracy_gain_low": -0.01}),
+     ("P6_credit_bottleneck", "credit_outcome_tune_learned", {"credit_outcome_learned_count": 1})],
+)  # fmt: skip
+def test_both_learned_gates_of_a_tuned_rule_can_stop_it(claim_id, tuned, learned):
+    """The no-learning example stops at the tuning's gate; a tuning that learned whose comparison
+    runs did not stops at the comparison's own learned gate, further down."""
+    claim = next(claim for claim in CLAIMS if claim.id == claim_id)
+    supporting = _not_measured(claim.examples["supporting"])
+    for values in ({**supporting, tuned: 0}, {**supporting, **learned}):
+        row = judge(claim, example_results(claim, values))
+        assert row["verdict"] == INCONCLUSIVE and row["reason"].startswith("gate learned:"), row
+    row = judge(claim, example_results(claim, {**supporting, tuned: None}))
+    assert row["verdict"] == INCONCLUSIVE and row["reason"].startswith("gate learned:"), row
+
+
 @pytest.mark.parametrize("claim", CLAIMS, ids=[claim.id for claim in CLAIMS])
 def test_missing_evidence_is_never_a_contradiction(claim):
     """Every value the rule reads, not measured: no claim may read that as "not reproduced"."""

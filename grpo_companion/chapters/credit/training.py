@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from grpo_companion.core.stats import (
+    accuracy_noise,
     fitted_trend,
     grid_choice,
     interval_words,
@@ -32,7 +33,7 @@ from grpo_companion.core.stats import (
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, load_arithmetic_chains
-from grpo_companion.lm.parallel import map_runs
+from grpo_companion.lm.parallel import map_runs, run_store
 from grpo_companion.lm.rollouts import greedy_completions
 from grpo_companion.lm.steps import worked_lines
 from grpo_companion.lm.trainer import held_out_accuracy, sampled_held_out_accuracy, train
@@ -59,6 +60,7 @@ def run_credit_comparison(
     data_seed: int = 0,
     workers: int | None = None,
     progress: bool = False,
+    keep: str | None = None,
 ) -> dict[tuple[str, int, int], list[dict]]:
     """Train every arm (a ``GRPOConfig.credit``) for every number of steps k and seed.
 
@@ -79,6 +81,8 @@ def run_credit_comparison(
             and the warm start's to its first, as "sampled_accuracy".
         workers: one-thread worker processes for the runs (`lm.parallel.map_runs`; None: one
             per core, 1: in this process); the histories do not depend on it.
+        keep: a folder under which finished runs are stored and read back on the next call
+            (`lm.parallel.run_store`, named by every input here and the starting weights).
 
     Returns:
         histories: (arm, k, seed) -> `trainer.train` history.
@@ -114,7 +118,13 @@ def run_credit_comparison(
         return history
 
     runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in arms]
-    return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress)
+    store = None
+    if keep is not None:
+        problems = {k: [list(d["question"]) + list(d["answer"]) for d in data[k]] for k in data}
+        store = run_store(keep, config, runs, rates, problems, eval_samples, data_seed,
+                          start.state_dict())  # fmt: skip
+    return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress,
+                    keep=store)  # fmt: skip
 
 
 def validation_chains(step_counts, num_problems: int, seed: int, exclude: dict) -> dict:
@@ -132,12 +142,13 @@ def validation_chains(step_counts, num_problems: int, seed: int, exclude: dict) 
 
 def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, config,
                       num_train_prompts: int, validation: dict, *, eval_samples: int,
-                      data_seed: int, workers=None) -> tuple[dict, dict]:  # fmt: skip
+                      data_seed: int, workers=None, keep=None) -> tuple[dict, dict]:  # fmt: skip
     """Each arm's learning rate: every arm at every rate of `grid` (ascending) on the tuning
     `seeds` and `step_counts`, measured by sampled accuracy on `validation` ({k: problems});
     the rate with the best mean final accuracy (`core.stats.grid_choice`; "learned" when it beats
-    the warm start's). Returns (arm -> {"learning_rate", "index", "inside", "means", "learned"},
-    the tuning histories by (arm, rate, k, seed))."""
+    the warm start's by more than `core.stats.accuracy_noise` over the validation problems).
+    Returns (arm -> {"learning_rate", "index", "inside", "means", "learned"}, the tuning
+    histories by (arm, rate, k, seed))."""
     missing = [k for k in step_counts if k not in validation]
     if missing:
         raise ValueError(
@@ -148,7 +159,7 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
         histories = run_credit_comparison(
             model_loader, tokenizer, step_counts, seeds, config, num_train_prompts, 1,
             arms=arms, learning_rates=dict.fromkeys(arms, rate), eval_data=validation,
-            eval_samples=eval_samples, data_seed=data_seed, workers=workers,
+            eval_samples=eval_samples, data_seed=data_seed, workers=workers, keep=keep,
         )  # fmt: skip
         runs |= {(arm, rate, k, seed): h for (arm, k, seed), h in histories.items()}
     choice = {}
@@ -157,20 +168,24 @@ def tune_credit_rates(model_loader, tokenizer, arms, grid, step_counts, seeds, c
                                 if a == arm and r == rate])) for rate in grid]  # fmt: skip
         start = float(np.mean([h[0]["sampled_accuracy"] for (a, _, _, _), h in runs.items()
                                if a == arm]))  # fmt: skip
-        choice[arm] = grid_choice(list(grid), means, start=start)
+        num_problems = sum(len(validation[k]) for k in step_counts)
+        choice[arm] = grid_choice(list(grid), means, start=start,
+                                  margin=accuracy_noise(start, num_problems))  # fmt: skip
     return choice, runs
 
 
 def tuning_records(choice: dict) -> dict:
     """`tune_credit_rates`' choice as records: "credit_<arm>_learning_rate",
     "credit_<arm>_lr_inside", "credit_<arm>_tune_learned" (1 when its best rate beat the warm
-    start on the validation chains) and "credit_lr_inside", 1 when every arm's best rate lies
+    start on the validation chains by more than two binomial standard errors over the problems,
+    None when unmeasured) and "credit_lr_inside", 1 when every arm's best rate lies
     strictly inside the grid."""
     records = {}
     for arm, chosen in choice.items():
         records[f"credit_{arm}_learning_rate"] = chosen["learning_rate"]
         records[f"credit_{arm}_lr_inside"] = int(chosen["inside"])
-        records[f"credit_{arm}_tune_learned"] = int(bool(chosen["learned"]))
+        learned = chosen["learned"]
+        records[f"credit_{arm}_tune_learned"] = None if learned is None else int(learned)
     records["credit_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
     return records
 

@@ -27,6 +27,7 @@ from grpo_companion.core.advantages import (
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.core.stats import (
+    accuracy_noise,
     grid_choice,
     interval_words,
     metric_by_step,
@@ -34,7 +35,7 @@ from grpo_companion.core.stats import (
     seeds_for_power,
 )
 from grpo_companion.lm.config import GRPOConfig
-from grpo_companion.lm.parallel import map_runs
+from grpo_companion.lm.parallel import map_runs, run_store
 from grpo_companion.lm.rollouts import Rollouts
 from grpo_companion.lm.scoring import sequence_log_probs
 from grpo_companion.lm.trainer import sampled_held_out_accuracy, train
@@ -156,17 +157,32 @@ def gradient_split(model, batch: Rollouts, methods=("grpo", "sign")) -> tuple[di
 
 def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, methods: dict, seeds, *,
                 initial_accuracy: float, eval_samples: int = 0, sample_seed: int = 0,
-                workers: int | None = None) -> dict:  # fmt: skip
+                workers: int | None = None, keep: str | None = None) -> dict:  # fmt: skip
     """(method, seed) -> `trainer.train` history of every method (name -> GRPOConfig overrides)
     on every seed, each from a fresh `load_model()` copy, in one-thread workers
     (`lm.parallel.map_runs`: the same histories as one run after another). `eval_samples` K > 0
     adds the sampled accuracy on `eval_data` (`trainer.sampled_held_out_accuracy`, K completions
-    a problem, drawn with `sample_seed` in every run: common random numbers) as
-    "sampled_accuracy", the warm start's to the first record and the trained model's to the last.
+    a problem) as "sampled_accuracy", the warm start's to the first record and the trained
+    model's to the last, both drawn with the sampling seed `sample_seed` + the run's seed: the
+    methods of a seed share the sampler's seed, and the seeds differ, so the sampling noise of
+    the measure lands in the interval over seeds.
+    `keep`: a folder under which finished runs are stored and read back on the next call
+    (`lm.parallel.run_store`, named by every input here and the starting weights).
     """
     config = GRPOConfig(**grpo)
-    sampled = (sampled_held_out_accuracy(load_model(), tokenizer, eval_data, config, eval_samples,
-                                         sample_seed) if eval_samples else None)  # fmt: skip
+    seeds = list(seeds)
+    store = None
+    if keep is not None:
+        data = [list(d["question"]) + list(d["answer"]) for d in (train_data, eval_data)]
+        store = run_store(keep, grpo, methods, seeds, data, initial_accuracy, eval_samples,
+                          sample_seed, load_model().state_dict())  # fmt: skip
+
+    def sampled(model, seed: int) -> float:
+        return sampled_held_out_accuracy(model, tokenizer, eval_data, config, eval_samples,
+                                         sample_seed + seed)  # fmt: skip
+
+    start = (map_runs(lambda seed: sampled(load_model(), seed), seeds, workers=workers,
+                      keep=store) if eval_samples else {})  # fmt: skip
 
     def run(key):
         name, seed = key
@@ -175,25 +191,26 @@ def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, method
         history = train(model, tokenizer, train_data, eval_data, config, progress=False,
                         initial_accuracy=initial_accuracy)  # fmt: skip
         if eval_samples:
-            history[0]["sampled_accuracy"] = sampled
-            history[-1]["sampled_accuracy"] = sampled_held_out_accuracy(
-                model, tokenizer, eval_data, config, eval_samples, sample_seed)  # fmt: skip
+            history[0]["sampled_accuracy"] = start[seed]
+            history[-1]["sampled_accuracy"] = sampled(model, seed)
         return history
 
-    return map_runs(run, [(name, seed) for name in methods for seed in seeds], workers=workers)
+    keys = [(name, seed) for name in methods for seed in seeds]
+    return map_runs(run, keys, workers=workers, keep=store)
 
 
 def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_data, grpo: dict,
                       methods: dict, learning_rates, tune_seeds, eval_seeds, *,
                       initial_validation: float, initial_test: float, eval_samples: int = 0,
-                      sample_seed: int = 0) -> tuple:  # fmt: skip
+                      sample_seed: int = 0, keep: str | None = None) -> tuple:  # fmt: skip
     """Each method at its own tuned learning rate, then compared on other seeds.
 
     Tuning: every method at every rate of `learning_rates` on `tune_seeds`, held-out accuracy on
     `validation_data` (problems no run trains on); each method takes the rate with the highest
     mean final validation accuracy (`core.stats.grid_choice`). Comparison: every method at its
     rate on `eval_seeds` (paired: the same prompts in the same order), evaluated on `test_data`
-    by greedy accuracy and, with `eval_samples` K > 0, sampled accuracy (`remedy_runs`).
+    by greedy accuracy and, with `eval_samples` K > 0, sampled accuracy (`remedy_runs`, which
+    also stores finished runs under `keep`).
     Returns (histories of the comparison, as `remedy_runs`; choice: method -> {"learning_rate",
     "index", "inside", "learned", "means": the mean final validation accuracy at each rate};
     the tuning runs at each method's chosen rate, (method, seed) -> history, from which the
@@ -202,17 +219,22 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
     grid = {(name, rate): {**methods[name], "learning_rate": rate}
             for name in methods for rate in learning_rates}  # fmt: skip
     tuning = remedy_runs(load_model, tokenizer, train_data, validation_data, grpo, grid, tune_seeds,
-                         initial_accuracy=initial_validation)  # fmt: skip
+                         initial_accuracy=initial_validation, keep=keep)  # fmt: skip
     choice = {}
     for name in methods:
         means = [float(np.mean([h[-1]["eval_accuracy"] for (arm, _), h in tuning.items()
                                 if arm == (name, rate)])) for rate in learning_rates]  # fmt: skip
-        choice[name] = grid_choice(list(learning_rates), means, start=initial_validation)
+        choice[name] = grid_choice(
+            list(learning_rates),
+            means,
+            start=initial_validation,
+            margin=accuracy_noise(initial_validation, len(validation_data)),
+        )
     chosen = {name: {**methods[name], "learning_rate": choice[name]["learning_rate"]}
               for name in methods}  # fmt: skip
     histories = remedy_runs(load_model, tokenizer, train_data, test_data, grpo, chosen, eval_seeds,
                             initial_accuracy=initial_test, eval_samples=eval_samples,
-                            sample_seed=sample_seed)  # fmt: skip
+                            sample_seed=sample_seed, keep=keep)  # fmt: skip
     tuned = {(name, seed): history for ((name, rate), seed), history in tuning.items()
              if rate == choice[name]["learning_rate"]}  # fmt: skip
     return histories, choice, tuned
@@ -220,16 +242,18 @@ def tuned_remedy_runs(load_model, tokenizer, train_data, validation_data, test_d
 
 def tuning_records(choice: dict, methods: dict, reference: str) -> dict:
     """The records of `tuned_remedy_runs`' choice: "<m>_learning_rate", "<m>_lr_inside" (1 or
-    0) and "<m>_tune_learned" (1 when its best rate raised validation accuracy above the start)
-    per method, "remedy_lr_inside", 1 when every method's optimum lies inside the grid, and
-    "<m>_same_loss", 1 when a method's overrides (`methods`: name -> GRPOConfig fields) differ
+    0) and "<m>_tune_learned" (1 when its best rate raised validation accuracy above the start
+    by more than two binomial standard errors, None when unmeasured) per method;
+    "remedy_lr_inside", 1 when every method's optimum lies inside the grid; and "<m>_same_loss",
+    1 when a method's overrides (`methods`: name -> GRPOConfig fields) differ
     from the `reference`'s only in the advantage (`method`) and `filter_degenerate`: the same
     loss aggregation, so the comparison changes one thing."""
     records = {}
     for name, chosen in choice.items():
         records[f"{name}_learning_rate"] = chosen["learning_rate"]
         records[f"{name}_lr_inside"] = int(chosen["inside"])
-        records[f"{name}_tune_learned"] = int(bool(chosen["learned"]))
+        learned = chosen["learned"]
+        records[f"{name}_tune_learned"] = None if learned is None else int(learned)
     records["remedy_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
     varied = ("method", "filter_degenerate", "learning_rate")
     base = {k: v for k, v in methods[reference].items() if k not in varied}

@@ -259,8 +259,8 @@ def test_remedy_runs_add_the_sampled_accuracy_of_the_start_and_of_each_trained_m
         grpo, {"grpo": {"method": "grpo"}}, [0, 1], initial_accuracy=0.0, eval_samples=3,
         sample_seed=5, workers=1,
     )  # fmt: skip
-    start = sampled_held_out_accuracy(model, tokenizer, test, GRPOConfig(**grpo), 3, 5)
-    for history in histories.values():  # a step of 1e-30 is below float32 rounding: no change
+    for (_, seed), history in histories.items():  # a step of 1e-30 is below rounding: no change
+        start = sampled_held_out_accuracy(model, tokenizer, test, GRPOConfig(**grpo), 3, 5 + seed)
         assert history[0]["sampled_accuracy"] == history[-1]["sampled_accuracy"] == start
 
 
@@ -292,7 +292,7 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
         [1000], [0, 1], initial_validation=0.1, initial_test=0.2, eval_samples=4, sample_seed=7,
     )  # fmt: skip
     (tune_data, grid, tune_seeds, tune_start), (data, chosen, seeds, start) = calls
-    assert samplings == [{}, {"eval_samples": 4, "sample_seed": 7}]  # the comparison only
+    assert samplings == [{"keep": None}, {"eval_samples": 4, "sample_seed": 7, "keep": None}]
     assert (tune_data, tune_seeds, tune_start) == ("validation", [1000], 0.1)
     assert len(grid) == 6 and grid[("sign", 1e-5)] == {"method": "sign", "learning_rate": 1e-5}
     assert (data, seeds, start) == ("test", [0, 1], 0.2)
@@ -336,3 +336,32 @@ def test_power_records_size_seeds_from_the_pilot_and_refuse_a_zero_prediction():
     records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.01}, num_pilot=3)
     assert records["sign_seeds_needed"] == needed > 3
     assert records["sign_power_words"].startswith(f"needs {needed} seeds for 80% power")
+
+
+def test_remedy_runs_keep_finished_runs_under_a_folder_named_by_their_inputs(
+    random_tiny, tmp_path, monkeypatch
+):
+    import copy
+
+    from grpo_companion.chapters.sparsity import lm_runs
+    from grpo_companion.lm.gsm8k import load_gsm8k
+
+    model, tokenizer = random_tiny
+    grpo = {"num_generations": 2, "per_step_prompts": 2, "max_completion_length": 4,
+            "max_steps": 1, "eval_every": 1}  # fmt: skip
+    data = (load_gsm8k("train", source="arithmetic", num_examples=4, seed=0),
+            load_gsm8k("test", source="arithmetic", num_examples=2, seed=0))  # fmt: skip
+
+    def runs(methods):
+        return lm_runs.remedy_runs(lambda: copy.deepcopy(model), tokenizer, *data, grpo, methods,
+                                   [0], initial_accuracy=0.0, workers=1, keep=tmp_path)  # fmt: skip
+
+    first = runs({"grpo": {"method": "grpo"}})
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a kept run was trained again")
+
+    monkeypatch.setattr(lm_runs, "train", no_training)
+    assert runs({"grpo": {"method": "grpo"}}) == first  # read back, not trained
+    with pytest.raises(RuntimeError, match="a kept run was trained again"):
+        runs({"grpo": {"method": "grpo", "learning_rate": 3e-5}})  # other inputs: another folder
