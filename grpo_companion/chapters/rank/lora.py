@@ -39,7 +39,7 @@ from grpo_companion.core.stats import grid_choice, mean_interval
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts
-from grpo_companion.lm.parallel import map_runs
+from grpo_companion.lm.parallel import map_runs, run_store
 from grpo_companion.lm.trainer import (
     grpo_step,
     held_out_accuracy,
@@ -145,12 +145,15 @@ def grpo_run(
 
 def practice_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, runs: dict, *,
                   lora_alpha: float, track_every: int = 0, truncation_ranks=(),
-                  reward_fn=gsm8k.reward, workers: int | None = None) -> dict:  # fmt: skip
+                  reward_fn=gsm8k.reward, workers: int | None = None,
+                  keep: str | None = None) -> dict:  # fmt: skip
     """{key: `grpo_run` result} of `runs` ({key: (rank, learning_rate, seed)}): each run takes a
     fresh `load_model()`, adds adapters of `rank` seeded by its seed (none for rank 0, full
     fine-tuning) and trains with ``GRPOConfig(**grpo, learning_rate, seed)``, in one-thread
     workers (`lm.parallel.map_runs`: the same results as one run after another). Only the
-    full-fine-tuning runs are tracked (`track_every`, `truncation_ranks`)."""
+    full-fine-tuning runs are tracked (`track_every`, `truncation_ranks`). `keep`: a folder under
+    which finished runs are stored and read back on the next call (`lm.parallel.run_store`,
+    named by every input here and the starting weights)."""
 
     def run(key):
         rank, learning_rate, seed = runs[key]
@@ -162,7 +165,13 @@ def practice_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, runs
         return grpo_run(model, tokenizer, train_data, eval_data, config, reward_fn=reward_fn,
                         **(tracked if rank == 0 else {}))  # fmt: skip
 
-    return map_runs(run, list(runs), workers=workers)
+    store = None
+    if keep is not None:
+        data = [list(d["question"]) + list(d["answer"]) for d in (train_data, eval_data)]
+        reward = f"{reward_fn.__module__}.{reward_fn.__qualname__}"
+        store = run_store(keep, grpo, runs, lora_alpha, track_every, tuple(truncation_ranks),
+                          reward, data, load_model().state_dict())  # fmt: skip
+    return map_runs(run, list(runs), workers=workers, keep=store)
 
 
 def step_gradient_spectra(model, tokenizer, train_data, config: GRPOConfig, steps, *,

@@ -350,3 +350,25 @@ def test_the_update_figure_draws_a_run_without_tracked_ranks_without_a_warning()
         fig = plots.plot_accumulated_update(frame, spectra, "q_proj")
     assert fig.axes[1].get_yscale() == "linear"
     plt.close(fig)
+
+
+def test_practice_runs_keep_finished_runs(random_tiny, data, tmp_path, monkeypatch):
+    """With `keep`, a second call with the same inputs reads the runs back instead of training."""
+    base, tokenizer = random_tiny
+    grpo = {"num_generations": 4, "per_step_prompts": 2, "max_completion_length": 6,
+            "max_steps": 1, "micro_batch_size": 8, "rollout_batch_size": 8}  # fmt: skip
+    runs = {("r2", 1e-2, 0): (2, 1e-2, 0)}
+
+    def call():
+        return lora.practice_runs(lambda: copy.deepcopy(base), tokenizer, *data, grpo, runs,
+                                  lora_alpha=4.0, reward_fn=has_digit, workers=1,
+                                  keep=tmp_path)  # fmt: skip
+
+    first = call()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a kept run was trained again")
+
+    monkeypatch.setattr(lora, "grpo_run", no_training)
+    again = call()
+    assert again[("r2", 1e-2, 0)]["history"] == first[("r2", 1e-2, 0)]["history"]
