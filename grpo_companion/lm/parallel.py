@@ -1,13 +1,14 @@
 """Runs in parallel: each run of a multi-seed experiment in its own one-thread worker process,
 as many workers as cores.
 
-The book's models are small: one run on two threads is slower than on one (the threads spend
-more time agreeing than multiplying), while two one-thread processes, one per core, run two
-seeds in about the time of one. A run that is a pure function of its key (its seed, its arm)
-gives the same result in a worker as `map_runs(..., workers=1)` gives in this process on one
-thread (tests/lm/test_parallel.py). With `keep`, each finished run is stored on disk as it
-ends, so a run that fails (or a build that is stopped) loses only the runs not yet finished; the
-folder is named by `run_store`, a digest of everything the runs depend on.
+The book's models are small: a GRPO run of the tiny Llama is only about 1.5x faster on two
+threads than on one, while two one-thread processes, one per core, run two seeds in about the
+time of one, about 1.3x the seeds per minute (benchmarks/parallel_seeds.py). A run that is a
+pure function of its key (its seed, its arm) gives the same result in a worker as
+`map_runs(..., workers=1)` gives in this process on one thread (tests/lm/test_parallel.py).
+With `keep`, each finished run is stored on disk as it ends, so a run that fails (or a build
+that is stopped) loses only the runs not yet finished; the folder is named by `run_store`, a
+digest of everything the runs depend on.
 """
 
 import hashlib

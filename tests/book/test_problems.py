@@ -297,7 +297,7 @@ def test_12_problem_1_an_interval_that_holds_0_can_still_contradict(tmp_path):
 def test_12_problem_2_a_reference_arm_that_did_not_learn_gates_the_contradiction():
     (claim,) = [c for c in load_claims(BOOK / "claims.toml") if c.id == "R_sign_beats_dr_grpo"]
     values = {"comparator_is_dr_grpo": 1, "sign_same_loss": 1, "reference_all_correct_share": 0.5,
-              "dr_grpo_lr_inside": 1, "sign_lr_inside": 1,
+              "dr_grpo_lr_inside": 1, "sign_lr_inside": 1, "dr_grpo_tune_learned": 1,
               "dr_grpo_accuracy_gain_low": -0.02, "sign_minus_dr_grpo": -0.025,
               "sign_minus_dr_grpo_low": -0.04, "sign_minus_dr_grpo_high": -0.01,
               "predicted_sign_minus_dr_grpo": 0.05}  # fmt: skip

@@ -217,7 +217,8 @@ def test_top_p_is_transformers_nucleus_renormalised(top_p):
     # smallest such set: without its least likely kept token the mass falls below top_p
     probs = logits.softmax(dim=-1)
     least = probs.masked_fill(~kept, math.inf).amin(dim=-1)
-    assert ((mass - least < top_p) | (kept.sum(dim=-1) == 1)).all()
+    # (to float32 rounding: the sums' order, and so the last bit, depends on the CPU's kernels)
+    assert ((mass - least < top_p + 1e-6) | (kept.sum(dim=-1) == 1)).all()
     assert torch.allclose(ours[kept].exp(), (probs / mass[:, None])[kept], atol=1e-6)
 
 
