@@ -92,8 +92,9 @@ def map_runs(run, keys, *, workers: int | None = None, desc: str = "runs", progr
 
 def run_store(root: str | Path, *parts) -> Path:
     """The folder under `root` for `map_runs(keep=...)` of runs that depend on `parts` (their
-    settings, data and starting weights: values with a stable repr, tensors, or dicts of them such
-    as a state dict) and on this package's source code: a digest of all of them names it, so any
+    settings, data and starting weights: values with a stable repr, tensors, dicts of them such as
+    a state dict, models (their weights), functions (their names) and datasets (their rows)) and
+    on this package's source code: a digest of all of them names it, so any
     change to what the runs depend on names another folder, and stale results are never read."""
     digest = hashlib.sha256()
     for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
@@ -104,6 +105,12 @@ def run_store(root: str | Path, *parts) -> Path:
 
 
 def _digest(digest, part) -> None:
+    if isinstance(part, torch.nn.Module):  # its weights
+        part = part.state_dict()
+    elif callable(part) and hasattr(part, "__qualname__"):  # a function by name, not address
+        part = f"{part.__module__}.{part.__qualname__}"
+    elif hasattr(part, "column_names") and hasattr(part, "to_dict"):  # a dataset: its rows
+        part = part.to_dict()
     if isinstance(part, torch.Tensor):
         digest.update(part.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     elif isinstance(part, dict) and any(isinstance(v, torch.Tensor) for v in part.values()):

@@ -96,3 +96,16 @@ def test_run_store_is_named_by_everything_the_runs_depend_on(tmp_path):
     moved = {"w": torch.tensor([0.0, 0.0, 1e-7]), "b": torch.ones(1)}
     assert run_store(tmp_path, {"learning_rate": 1e-5}, moved) != same
     assert same.parent == tmp_path
+
+
+def test_run_store_reads_models_functions_and_datasets_by_their_content(tmp_path):
+    from grpo_companion.lm.parallel import run_store
+
+    model = torch.nn.Linear(3, 2)
+    assert run_store(tmp_path, model) == run_store(tmp_path, model.state_dict())
+    name = f"{has_digit.__module__}.{has_digit.__qualname__}"  # not its address
+    assert run_store(tmp_path, has_digit) == run_store(tmp_path, name)
+    data = load_gsm8k("test", source="arithmetic", num_examples=2, seed=0)
+    assert run_store(tmp_path, data) == run_store(tmp_path, data.to_dict())
+    other = load_gsm8k("test", source="arithmetic", num_examples=2, seed=1)
+    assert run_store(tmp_path, other) != run_store(tmp_path, data)

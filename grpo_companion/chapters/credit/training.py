@@ -120,9 +120,8 @@ def run_credit_comparison(
     runs = [(arm, k, seed) for k in step_counts for seed in seeds for arm in arms]
     store = None
     if keep is not None:
-        problems = {k: [list(d["question"]) + list(d["answer"]) for d in data[k]] for k in data}
-        store = run_store(keep, config, runs, rates, problems, eval_samples, data_seed,
-                          start.state_dict())  # fmt: skip
+        store = run_store(keep, config, runs, rates, *[d for k in data for d in data[k]],
+                          eval_samples, data_seed, start)  # fmt: skip
     return map_runs(run, runs, workers=workers, desc="credit runs", progress=progress,
                     keep=store)  # fmt: skip
 

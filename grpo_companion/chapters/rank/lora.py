@@ -167,10 +167,8 @@ def practice_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, runs
 
     store = None
     if keep is not None:
-        data = [list(d["question"]) + list(d["answer"]) for d in (train_data, eval_data)]
-        reward = f"{reward_fn.__module__}.{reward_fn.__qualname__}"
         store = run_store(keep, grpo, runs, lora_alpha, track_every, tuple(truncation_ranks),
-                          reward, data, load_model().state_dict())  # fmt: skip
+                          reward_fn, train_data, eval_data, load_model())  # fmt: skip
     return map_runs(run, list(runs), workers=workers, keep=store)
 
 

@@ -173,9 +173,8 @@ def remedy_runs(load_model, tokenizer, train_data, eval_data, grpo: dict, method
     seeds = list(seeds)
     store = None
     if keep is not None:
-        data = [list(d["question"]) + list(d["answer"]) for d in (train_data, eval_data)]
-        store = run_store(keep, grpo, methods, seeds, data, initial_accuracy, eval_samples,
-                          sample_seed, load_model().state_dict())  # fmt: skip
+        store = run_store(keep, grpo, methods, seeds, train_data, eval_data, initial_accuracy,
+                          eval_samples, sample_seed, load_model())  # fmt: skip
 
     def sampled(model, seed: int) -> float:
         return sampled_held_out_accuracy(model, tokenizer, eval_data, config, eval_samples,
