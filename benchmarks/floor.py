@@ -23,8 +23,10 @@ The batch is chapter 11's (`grpo_step_vs_trl.CONFIG`): 16 arithmetic problems x 
 on all 128 rows in one call, with `sampler="lean"` and `"generate"` (`generate_groups`), beside
 `rollout_throughput.plain_generate` (one `model.generate` call, the same seed: the same tokens,
 checked); the floor counts the lean sampler's tokens. The step section runs TRL's `GRPOTrainer`
-as `grpo_step_vs_trl.py` does, and after each TRL step one of our steps with each sampler, each
-side on its own copy of the model (A B C A B C ...; the first round is a warm-up); the update
+as `grpo_step_vs_trl.py` does, and after each TRL step one of our steps as the book runs it
+(the lean sampler; the update in length buckets, `GRPOConfig.length_bucket_size`) and one as it
+ran before both (`generate_groups`; every completion padded to the longest), each side on its
+own copy of the model (A B C A B C ...; the first round is a warm-up); the update
 is the time inside our step's forward pass (`completion_logits`), `token_log_probs`,
 `grpo_loss` and `backward`. Times are CPU seconds of the process (`time.process_time`), medians
 over the rounds; the load average is printed, since the machine may be shared.
@@ -35,6 +37,7 @@ over the rounds; the load average is printed, since the machine may be shared.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -211,7 +214,12 @@ class StepSide:
 
 def step_section(spec, config, prompts, golds, rounds: int, rate: float, with_trl: bool):
     """Our step with each sampler, interleaved with TRL's when `with_trl`; prints its table."""
-    sides = {s: StepSide(spec, config, prompts, golds, s, rate) for s in ("lean", "generate")}
+    # "before": the step as it ran before the lean sampler and the length buckets.
+    padded = dataclasses.replace(config, length_bucket_size=None)
+    sides = {
+        "lean": StepSide(spec, config, prompts, golds, "lean", rate),
+        "before": StepSide(spec, padded, prompts, golds, "generate", rate),
+    }
 
     def ours(step: int) -> dict:
         records = [side(step) for side in sides.values()]
@@ -231,23 +239,26 @@ def step_section(spec, config, prompts, golds, rounds: int, rate: float, with_tr
     )
     header = f"  {'':22} {'CPU s':>7} {'/ floor':>8}"
     print(header + ("  / TRL's step" if trl_seconds else ""))
-    ratios = {}
+    ratios, updates = {}, {}
     for name, side in sides.items():
         timed = side.records[1:]  # the first step is a warm-up
         rows = {
-            f"step, {name} sampler": _median_over_floor(timed, 0, forward_passes, rate),
+            f"step, {name}": _median_over_floor(timed, 0, forward_passes, rate),
             f"  sampling ({name})": _median_over_floor(timed, 1, 1, rate),
-            "  update": _median_over_floor(timed, 2, 3, rate),
+            f"  update ({name})": _median_over_floor(timed, 2, 3, rate),
         }
         for label, (cpu, over_floor) in rows.items():
             line = f"  {label:22} {cpu:>7.3f} {over_floor:>8.2f}"
             if trl_seconds and label.startswith("step"):
                 line += f"  {cpu / trl_seconds:>12.3f}"
             print(line)
-        cpu, over_floor = rows[f"step, {name} sampler"]
+        cpu, over_floor = rows[f"step, {name}"]
         ratios[name] = (over_floor, cpu)
+        updates[name] = rows[f"  update ({name})"][0]
     if trl_seconds:
         print(f"  {'TRL step':22} {trl_seconds:>7.3f}")
+    print(f"  update, length buckets / padded: {updates['lean'] / updates['before']:.2f}; "
+          f"step, lean / before: {ratios['lean'][1] / ratios['before'][1]:.2f}")  # fmt: skip
     ratio, cpu = ratios["lean"]
     verdict = "PASS" if ratio <= TARGETS["step"] else "FAIL"
     print(f"  step (lean) / floor {ratio:.2f} (target <= {TARGETS['step']:g}): {verdict}")

@@ -41,7 +41,12 @@ class GRPOConfig:
     over the micro-batches, so there ``micro_batch_size`` changes the gradient whenever the
     micro-batches hold different numbers of tokens. ``rollout_batch_size`` is the same for
     sampling; it changes which random numbers each completion draws (not their distribution), so
-    it is part of what a seed reproduces.
+    it is part of what a seed reproduces. ``length_bucket_size`` (not in TRL, which pads every
+    completion of a micro-batch to the longest, or with ``padding_free`` flattens them for flash
+    attention): with whole groups, each micro-batch's completions run sorted by length, this many
+    at a time, each bucket padded to its own longest (`scoring.completion_logits`): the same
+    gradient to float32 rounding for about a quarter less work on chapter 11's batches; None pads
+    as TRL does.
 
     The one default that differs from TRL 1.16: ``use_bias_correction_kl`` is False here, True
     in TRL. It changes the gradient only when beta > 0 (chapter 11 by default) and then only
@@ -112,6 +117,7 @@ class GRPOConfig:
     num_iterations: int = 1  # mu, updates per batch of rollouts
     micro_batch_size: int = 64  # completions per forward-backward pass; see the docstring
     rollout_batch_size: int = 64  # completions per `generate` call
+    length_bucket_size: int | None = 16  # completions per length bucket; see the docstring
     max_steps: int = 100
     # Bookkeeping
     eval_every: int = 10
@@ -143,6 +149,9 @@ class GRPOConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.length_bucket_size is not None and self.length_bucket_size < 1:
+            size = self.length_bucket_size
+            raise ValueError(f"length_bucket_size must be None or >= 1, got {size}")
         if self.num_generations < 2:
             raise ValueError(f"a group needs num_generations >= 2, got {self.num_generations}")
         for name in ("save_steps", "beta"):

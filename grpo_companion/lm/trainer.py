@@ -328,6 +328,7 @@ def grpo_step(
                     config.temperature,
                     *extra,
                     num_generations=shared,
+                    bucket_size=config.length_bucket_size,
                 )
         return values
 
@@ -366,6 +367,7 @@ def grpo_step(
                 attention_mask[batch],
                 completion_mask.shape[1],
                 num_generations=shared,
+                bucket_size=config.length_bucket_size,
             )
             log_probs = token_log_probs(
                 logits, input_ids[batch], completion_mask[batch], config.temperature
@@ -422,15 +424,16 @@ CLIP_METRICS = ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/hig
 @torch.no_grad()
 def sampling_log_probs(
     model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
-    top_p: float = 1.0, *, num_generations: int = 1,
+    top_p: float = 1.0, *, num_generations: int = 1, bucket_size: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """log pi_samp of the completion tokens, (N, T), 0 off `completion_mask`: the sampler's
     own log-probs, the nucleus of softmax(logits / temperature) renormalised
     (`core.importance.top_p_log_probs`), as `generate_rollouts` samples with ``top_p`` and as
     vLLM reports them. Arguments as `scoring.sequence_log_probs`."""
     logits = completion_logits(
-        model, input_ids, attention_mask, completion_mask.shape[1], num_generations=num_generations
-    )
+        model, input_ids, attention_mask, completion_mask.shape[1],
+        num_generations=num_generations, bucket_size=bucket_size,
+    )  # fmt: skip
     log_probs = top_p_log_probs(logits / temperature, top_p)
     targets = input_ids[:, -completion_mask.shape[1] :]
     values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -9,7 +9,7 @@ from grpo_companion.lm.rollouts import (
     greedy_accuracy,
     greedy_completions,
 )
-from grpo_companion.lm.scoring import sequence_log_probs
+from grpo_companion.lm.scoring import length_buckets, sequence_log_probs
 
 NUM_GENERATIONS = 4
 MAX_COMPLETION_LENGTH = 24
@@ -315,6 +315,54 @@ def test_group_shared_prompts_give_the_same_log_probs_and_gradient(
                 model, again.input_ids, again.attention_mask, again.completion_mask, temperature
             )
         torch.testing.assert_close(again.log_probs, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bucket_size", [1, 3, 8, 1000])
+def test_length_buckets_give_the_same_log_probs_and_gradient(
+    random_tiny, arithmetic_prompts, bucket_size
+):
+    """Completions run sorted by length, `bucket_size` rows at a time, each bucket padded to its
+    own longest (`completion_logits(bucket_size=...)`): the log-probs and the gradient of the
+    plain padded pass up to float32 rounding, for bucket sizes that do and do not divide the
+    batch; a frozen copy gives the policy's very numbers."""
+    model, _ = random_tiny
+    rollouts = _rollouts(random_tiny, arithmetic_prompts, compute_log_probs=False)
+    args = (rollouts.input_ids, rollouts.attention_mask, rollouts.completion_mask)
+    assert len(set(rollouts.lengths.tolist())) > 1  # the buckets have different lengths
+    weights = torch.randn(
+        rollouts.completion_mask.shape, generator=torch.Generator().manual_seed(0)
+    )
+    results = []
+    for options in ({}, {"num_generations": NUM_GENERATIONS, "bucket_size": bucket_size}):
+        model.zero_grad(set_to_none=True)
+        log_probs = sequence_log_probs(model, *args, **options)
+        (weights * log_probs).sum().backward()
+        results.append((log_probs.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (plain, plain_grads), (bucketed, bucketed_grads) = results
+    torch.testing.assert_close(bucketed, plain, rtol=0, atol=1e-5)
+    assert (bucketed[rollouts.completion_mask == 0] == 0).all()
+    for grad, expected in zip(bucketed_grads, plain_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+    reference = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        frozen = sequence_log_probs(
+            reference, *args, num_generations=NUM_GENERATIONS, bucket_size=bucket_size
+        )
+    assert torch.equal(frozen, bucketed)
+
+
+def test_length_buckets_cover_each_row_once_at_its_length():
+    """Golden case: rows of lengths 3, 1, 4, 0 (a row with no completion token still predicts
+    one), 2 in buckets of two, longest first."""
+    lengths = torch.tensor([3, 1, 4, 0, 2])
+    mask = (torch.arange(5) < lengths[:, None]).long()
+    buckets = length_buckets(mask, 2)
+    assert [(rows.tolist(), length) for rows, length in buckets] == [
+        ([2, 0], 4),
+        ([4, 1], 2),
+        ([3], 1),
+    ]
 
 
 def test_group_shared_prompts_refuse_rows_that_are_not_groups(random_tiny, arithmetic_prompts):
