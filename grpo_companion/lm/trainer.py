@@ -48,8 +48,9 @@ from grpo_companion.core.losses import grpo_loss
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.checkpoint import load_checkpoint, save_checkpoint
 from grpo_companion.lm.config import GRPOConfig, loss_options
+from grpo_companion.lm.evaluation import held_out_accuracy
 from grpo_companion.lm.gsm8k import build_prompts
-from grpo_companion.lm.rollouts import generate_rollouts, greedy_accuracy
+from grpo_companion.lm.rollouts import generate_rollouts
 from grpo_companion.lm.scoring import completion_logits, sequence_log_probs, token_log_probs
 from grpo_companion.lm.steps import rollout_step_rewards
 from grpo_companion.lm.trainer_metrics import mean_entropy, rollout_metrics
@@ -191,40 +192,6 @@ def train(
         if checkpoint is not None and (periodic or ends_segment):
             save_checkpoint(checkpoint, model, optimizer, config, reference, history)
     return history
-
-
-def held_out_accuracy(
-    model, tokenizer, eval_data, config: GRPOConfig, reward_fn=gsm8k.reward
-) -> float:
-    """`train`'s held-out measure: the greedy accuracy on `eval_data` (GSM8K schema) with at
-    most ``config.max_completion_length`` new tokens."""
-    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
-    return greedy_accuracy(
-        model,
-        tokenizer,
-        eval_prompts,
-        eval_golds,
-        reward_fn=reward_fn,
-        max_completion_length=config.max_completion_length,
-        batch_size=config.rollout_batch_size,
-    )
-
-
-def sampled_held_out_accuracy(
-    model, tokenizer, eval_data, config: GRPOConfig, num_samples: int, seed: int,
-    reward_fn=gsm8k.reward,
-) -> float:  # fmt: skip
-    """The share of right answers among `num_samples` completions of each problem of
-    `eval_data`, sampled as the trainer samples (temperature, length) with its own `seed`:
-    pass@1 averaged over K = `num_samples`, the sampled counterpart of `held_out_accuracy`."""
-    eval_prompts, eval_golds = build_prompts(tokenizer, eval_data)
-    rollouts = generate_rollouts(
-        model, tokenizer, eval_prompts, eval_golds, num_generations=num_samples,
-        max_completion_length=config.max_completion_length, temperature=config.temperature,
-        seed=seed + 7919, batch_size=config.rollout_batch_size, reward_fn=reward_fn,
-        compute_log_probs=False,
-    )  # fmt: skip
-    return float(rollouts.rewards.float().mean())
 
 
 def reference_and_optimizer(model, config: GRPOConfig):

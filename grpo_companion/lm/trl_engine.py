@@ -39,9 +39,10 @@ from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
+from grpo_companion.lm.evaluation import held_out_accuracy
 from grpo_companion.lm.gsm8k import SYSTEM_PROMPT, build_prompts
 from grpo_companion.lm.models import ModelUnavailableError, check_model_available, load_policy
-from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, held_out_accuracy, train
+from grpo_companion.lm.trainer import CLIP_METRICS, METRICS, train
 
 ENGINES = ("companion", "trl")
 # Settings TRL's GRPOConfig has under the same name and meaning.

@@ -14,7 +14,7 @@ from grpo_companion.core.advantages import (
     shuffle_step_rewards,
 )
 from grpo_companion.core.losses import grpo_loss
-from grpo_companion.lm import trainer
+from grpo_companion.lm import evaluation, trainer
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import build_prompts, gold_answer, load_gsm8k
 from grpo_companion.lm.rollouts import generate_rollouts
@@ -506,7 +506,7 @@ def test_process_credit_refuses_what_it_does_not_define(initial, data):
 def test_a_shared_initial_accuracy_changes_nothing(initial, data):
     """Runs from one start may share the held-out accuracy before training (chapters 5 and 6
     do): the history is the one `train` measures itself."""
-    from grpo_companion.lm.trainer import held_out_accuracy
+    from grpo_companion.lm.evaluation import held_out_accuracy
 
     model, tokenizer = initial
     config = replace(CONFIG, max_steps=1, eval_every=1)
@@ -590,13 +590,13 @@ def test_sampled_held_out_accuracy_is_greedy_accuracy_as_the_temperature_falls(r
     model, tokenizer = random_tiny
     data = load_gsm8k("test", source="arithmetic", num_examples=3, seed=1)
     cold = replace(CONFIG, temperature=1e-4)
-    greedy = trainer.held_out_accuracy(model, tokenizer, data, cold, has_digit)
-    sampled = trainer.sampled_held_out_accuracy(model, tokenizer, data, cold, 4, 0, has_digit)
+    greedy = evaluation.held_out_accuracy(model, tokenizer, data, cold, has_digit)
+    sampled = evaluation.sampled_held_out_accuracy(model, tokenizer, data, cold, 4, 0, has_digit)
     assert sampled == pytest.approx(greedy)  # float32 mean against a float one
     prompts, golds = build_prompts(tokenizer, data)
     warm = generate_rollouts(model, tokenizer, prompts, golds, num_generations=4,
                              max_completion_length=CONFIG.max_completion_length, seed=7919,
                              reward_fn=has_digit, compute_log_probs=False)  # fmt: skip
-    measured = trainer.sampled_held_out_accuracy(model, tokenizer, data, CONFIG, 4, 0, has_digit)
+    measured = evaluation.sampled_held_out_accuracy(model, tokenizer, data, CONFIG, 4, 0, has_digit)
     assert measured == pytest.approx(float(warm.rewards.float().mean()))
     assert 0 < measured < 1

@@ -436,7 +436,7 @@ def test_declare_reads_literals_loops_and_the_dicts_functions_return(tmp_path):
     page.write_text(
         (ROOT / "book" / "01_policy_gradient.md").read_text().split("\n# ")[0]
         + "\n# Page\n\n```{code-cell} ipython3\n"
-        "from grpo_companion.chapters.sparsity.lm_runs import tuning_records\n"
+        "from grpo_companion.chapters.sparsity.remedies import tuning_records\n"
         "from grpo_companion.chapters.sparsity.easy_start import easy_summary\n"
         'report.record("plain", 1)\n'
         'for name in ("a", "b"):\n    report.record(f"loop_{name}", 2)\n'
@@ -582,7 +582,8 @@ def test_each_rule_gives_each_example_its_verdict(claim):
 @pytest.mark.parametrize(
     "claim_id, tuned, learned",
     [("R_sign_beats_dr_grpo", "dr_grpo_tune_learned", {"dr_grpo_accuracy_gain_low": -0.01}),
-     ("P6_credit_bottleneck", "credit_outcome_tune_learned", {"credit_outcome_learned_count": 1})],
+     ("P6_credit_bottleneck", "credit_outcome_tune_learned", {"credit_outcome_learned_count": 1}),
+     ("R_lora_rank_two_matches_full", "lora_full_tune_learned", {"lora_full_gain_low": -0.01})],
 )  # fmt: skip
 def test_both_learned_gates_of_a_tuned_rule_can_stop_it(claim_id, tuned, learned):
     """The no-learning example stops at the tuning's gate; a tuning that learned whose comparison

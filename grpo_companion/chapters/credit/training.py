@@ -6,7 +6,7 @@ supervision, ``advantages.process_advantages``) and its two controls, "process_p
 worked steps' labels shuffled within each group) and "process_per_step" (divided by the number
 of steps). The arms of a seed share prompts, their order, sampler seeds and held-out problems,
 so their differences are paired. `tune_credit_rates` gives each arm its own learning rate on
-`validation_chains`; `trainer.sampled_held_out_accuracy` is the measure.
+`validation_chains`; `evaluation.sampled_held_out_accuracy` is the measure.
 
 `credit_gain_summary` reads the histories: per k each arm's final accuracy, the paired gains
 over outcome with t-intervals over seeds, their slope against k (the arm x k interaction) read
@@ -32,11 +32,12 @@ from grpo_companion.core.stats import (
 )
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
+from grpo_companion.lm.evaluation import held_out_accuracy, sampled_held_out_accuracy
 from grpo_companion.lm.gsm8k import build_prompts, load_arithmetic_chains
 from grpo_companion.lm.parallel import map_runs, run_store
 from grpo_companion.lm.rollouts import greedy_completions
 from grpo_companion.lm.steps import worked_lines
-from grpo_companion.lm.trainer import held_out_accuracy, sampled_held_out_accuracy, train
+from grpo_companion.lm.trainer import train
 
 ARMS = ("outcome", "process", "process_placebo", "process_per_step")  # GRPOConfig.credit
 ARM_LABELS = {"outcome": "outcome credit", "process": "step-level credit",
@@ -77,7 +78,7 @@ def run_credit_comparison(
             `eval_data` ({k: problems}, e.g. `validation_chains`) gives others.
         arms: the credits to train; learning_rates: arm -> its learning rate (default config's).
         eval_samples: K > 0 adds each run's sampled accuracy after training
-            (`trainer.sampled_held_out_accuracy`, K completions per problem) to its last record,
+            (`evaluation.sampled_held_out_accuracy`, K completions per problem) to its last record,
             and the warm start's to its first, as "sampled_accuracy".
         workers: one-thread worker processes for the runs (`lm.parallel.map_runs`; None: one
             per core, 1: in this process); the histories do not depend on it.

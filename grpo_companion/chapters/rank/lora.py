@@ -35,16 +35,13 @@ from grpo_companion.chapters.rank.accumulated import (
     top_share,
     truncated_weights,
 )
-from grpo_companion.core.stats import grid_choice, mean_interval
+from grpo_companion.core.stats import accuracy_noise, grid_choice, mean_interval
 from grpo_companion.lm import gsm8k
 from grpo_companion.lm.config import GRPOConfig
+from grpo_companion.lm.evaluation import held_out_accuracy
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.parallel import map_runs, run_store
-from grpo_companion.lm.trainer import (
-    grpo_step,
-    held_out_accuracy,
-    reference_and_optimizer,
-)
+from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
 
 FULL = "full"
 CLAIM_RANK = (
@@ -94,7 +91,7 @@ def grpo_run(
     track_every: int = 0, truncation_ranks=(),
 ) -> dict:  # fmt: skip
     """Train `model` (in place) for ``config.max_steps`` steps of `trainer.grpo_step`, then
-    measure its held-out greedy accuracy on `eval_data` (`trainer.held_out_accuracy`).
+    measure its held-out greedy accuracy on `eval_data` (`evaluation.held_out_accuracy`).
 
     Returns "accuracy", "parameters" (how many it trains) and "history" (per step: reward,
     frac_reward_zero_std, grad_norm). With `track_every` > 0 also "spectra" (`matrix_spectra` of
@@ -233,11 +230,15 @@ def seeds_for_margin(sd: float, margin: float, power: float = 0.8, confidence: f
     return None
 
 
-def tuning_choice(results: dict, grids: dict[str, list[float]]) -> dict:
+def tuning_choice(results: dict, grids: dict[str, list[float]], start: float | None = None,
+                  num_problems: int = 1) -> dict:  # fmt: skip
     """Per arm of `grids` ({arm: learning rates}): the mean validation accuracy at each rate over
     the tuning seeds ("means"), the rate with the highest mean ("learning_rate", "index"; the
-    lowest rate wins a tie) and whether it lies strictly inside the grid ("inside"). `results`:
-    {(arm, learning_rate, seed): `grpo_run` result}."""
+    lowest rate wins a tie), whether it lies strictly inside the grid ("inside") and, given the
+    warm start's validation accuracy `start` on `num_problems` problems, whether that rate beat
+    it by more than two binomial standard errors ("learned", `core.stats.grid_choice`; None
+    without `start`). `results`: {(arm, learning_rate, seed): `grpo_run` result}."""
+    margin = 0.0 if start is None else accuracy_noise(start, num_problems)
     choice = {}
     for arm, grid in grids.items():
         means = [
@@ -252,7 +253,7 @@ def tuning_choice(results: dict, grids: dict[str, list[float]]) -> dict:
             )
             for value in grid
         ]
-        choice[arm] = grid_choice(grid, means)
+        choice[arm] = grid_choice(grid, means, start, margin)
     return choice
 
 

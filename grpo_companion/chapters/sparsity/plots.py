@@ -7,8 +7,8 @@ returns a matplotlib Figure; nothing here computes a number that the chapter rec
 import matplotlib.pyplot as plt
 import numpy as np
 
-from grpo_companion.chapters.sparsity.lm_runs import runs_of, smoothed
 from grpo_companion.chapters.sparsity.rate import iid_degenerate_rate
+from grpo_companion.chapters.sparsity.remedies import runs_of, smoothed
 from grpo_companion.core.stats import seed_band
 
 REMEDY_LABELS = {

@@ -14,8 +14,8 @@ groups, `monte_carlo_check` compares, and `random_jensen_gaps` evaluates the gap
 discrete pass-rate distributions. Estimators take plain tensors from any rollout batch: rewards
 (num_prompts, G), advantages (num_prompts, G) or flattened, and completion_mask
 (num_prompts * G, max_completion_length); `gradient_share` says how much of a batch's gradient
-the mixed groups carry. The measurements on language models are in `sparsity.lm_runs`, the
-figures in `sparsity.plots`.
+the mixed groups carry. The measurements on language models are in `sparsity.lm_runs` and
+`sparsity.remedies`, the figures in `sparsity.plots`.
 
 Chapter: :doc:`/book/06_sparsity` (section 1: the Jensen gap and the Beta moments; section 5: a
 reported rate)

@@ -210,7 +210,7 @@ def toy_regime(
     "predicted_tabular_<name>_<other>_minus_<reference>"), "runs", "comparison"}. The prediction
     is Dr. GRPO's mean gain on the tuning seeds times the ratio of the two methods'
     `sparsity_lm.best_step_progress` on the same Beta, less 1 (`predicted_difference`)."""
-    from grpo_companion.chapters.sparsity.lm_runs import best_step_progress, predicted_difference
+    from grpo_companion.chapters.sparsity.remedies import best_step_progress, predicted_difference
     from grpo_companion.core.stats import interval_words
 
     kappa = beta_concentration_for(degenerate_rate, mean, group_size)

@@ -8,15 +8,9 @@ import torch
 from scipy import stats
 from tiny_llama_batch import one_layer_llama
 
-from grpo_companion.chapters.sparsity.lm_runs import (
-    batch_sparsity,
-    gradient_split,
-    remedy_summary,
-    runs_of,
-    sample_sparsity,
-    smoothed,
-)
+from grpo_companion.chapters.sparsity.lm_runs import batch_sparsity, gradient_split, sample_sparsity
 from grpo_companion.chapters.sparsity.rate import iid_degenerate_rate
+from grpo_companion.chapters.sparsity.remedies import remedy_summary, runs_of, smoothed
 from grpo_companion.core.advantages import group_advantages
 from grpo_companion.core.losses import grpo_loss
 from grpo_companion.lm.rollouts import Rollouts
@@ -166,7 +160,7 @@ def test_remedy_summary_hand_built():
 
 
 def test_sampled_summary_pairs_final_sampled_accuracies_by_seed():
-    from grpo_companion.chapters.sparsity.lm_runs import sampled_summary
+    from grpo_companion.chapters.sparsity.remedies import sampled_summary
 
     def history(start, end):
         return [{"sampled_accuracy": start}, {"sampled_accuracy": end}]
@@ -223,7 +217,7 @@ def test_sample_sparsity_hand_built():
 def test_remedy_runs_train_every_method_on_every_seed_from_a_fresh_copy(random_tiny):
     import copy
 
-    from grpo_companion.chapters.sparsity.lm_runs import remedy_runs
+    from grpo_companion.chapters.sparsity.remedies import remedy_runs
     from grpo_companion.lm.gsm8k import load_gsm8k
 
     model, tokenizer = random_tiny
@@ -244,10 +238,10 @@ def test_remedy_runs_train_every_method_on_every_seed_from_a_fresh_copy(random_t
 def test_remedy_runs_add_the_sampled_accuracy_of_the_start_and_of_each_trained_model(random_tiny):
     import copy
 
-    from grpo_companion.chapters.sparsity.lm_runs import remedy_runs
+    from grpo_companion.chapters.sparsity.remedies import remedy_runs
     from grpo_companion.lm.config import GRPOConfig
+    from grpo_companion.lm.evaluation import sampled_held_out_accuracy
     from grpo_companion.lm.gsm8k import load_gsm8k
-    from grpo_companion.lm.trainer import sampled_held_out_accuracy
 
     model, tokenizer = random_tiny
     grpo = {"num_generations": 2, "per_step_prompts": 2, "max_completion_length": 4,
@@ -265,7 +259,7 @@ def test_remedy_runs_add_the_sampled_accuracy_of_the_start_and_of_each_trained_m
 
 
 def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_seeds(monkeypatch):
-    from grpo_companion.chapters.sparsity import lm_runs
+    from grpo_companion.chapters.sparsity import remedies
 
     calls, samplings = [], []
     best = {"dr_grpo": 3e-5, "sign": 1e-4}
@@ -285,9 +279,9 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
             for seed in seeds
         }  # fmt: skip
 
-    monkeypatch.setattr(lm_runs, "remedy_runs", fake_remedy_runs)
+    monkeypatch.setattr(remedies, "remedy_runs", fake_remedy_runs)
     methods = {"dr_grpo": {"method": "dr_grpo"}, "sign": {"method": "sign"}}
-    histories, choice, tuned = lm_runs.tuned_remedy_runs(
+    histories, choice, tuned = remedies.tuned_remedy_runs(
         None, None, "train", "validation", "test", {"max_steps": 2}, methods, [1e-5, 3e-5, 1e-4],
         [1000], [0, 1], initial_validation=0.1, initial_test=0.2, eval_samples=4, sample_seed=7,
     )  # fmt: skip
@@ -300,7 +294,7 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
     assert choice["dr_grpo"]["inside"] and not choice["sign"]["inside"]
     expected = [10.5 - np.log10(3), 10.5, 10.5 - np.log10(10 / 3)]  # + 0.01 x tuning seed 1000
     assert choice["dr_grpo"]["means"] == pytest.approx(expected)
-    records = lm_runs.tuning_records(choice, methods, "dr_grpo")
+    records = remedies.tuning_records(choice, methods, "dr_grpo")
     assert choice["dr_grpo"]["learned"] and choice["sign"]["learned"]  # above the start, 0.1
     assert records == {"dr_grpo_learning_rate": 3e-5, "dr_grpo_lr_inside": 1,
                        "dr_grpo_tune_learned": 1, "sign_tune_learned": 1,
@@ -308,16 +302,16 @@ def test_tuned_remedy_runs_take_each_methods_best_rate_then_compare_on_other_see
                        "remedy_lr_inside": 0, "dr_grpo_same_loss": 1,
                        "sign_same_loss": 1}  # fmt: skip
     other_loss = {**methods, "sign": {"method": "sign", "loss_type": "grpo"}}
-    assert lm_runs.tuning_records(choice, other_loss, "dr_grpo")["sign_same_loss"] == 0
+    assert remedies.tuning_records(choice, other_loss, "dr_grpo")["sign_same_loss"] == 0
     assert list(histories) == [("dr_grpo", 0), ("dr_grpo", 1), ("sign", 0), ("sign", 1)]
     # the tuning runs at each method's chosen rate, for a prediction made before the comparison
     assert list(tuned) == [("dr_grpo", 1000), ("sign", 1000)]
-    gain = lm_runs.tuning_gain(tuned, "dr_grpo", 0.1)
+    gain = remedies.tuning_gain(tuned, "dr_grpo", 0.1)
     assert gain == pytest.approx(tuned[("dr_grpo", 1000)][-1]["eval_accuracy"] - 0.1)
 
 
 def test_power_records_size_seeds_from_the_pilot_and_refuse_a_zero_prediction():
-    from grpo_companion.chapters.sparsity.lm_runs import paired_differences, power_records
+    from grpo_companion.chapters.sparsity.remedies import paired_differences, power_records
 
     np.testing.assert_allclose(paired_differences(RISING, "sign", "grpo"), [0.2, 0.2, 0.3])
     records = power_records(RISING, ["grpo", "sign"], "grpo", {"sign": 0.1}, num_pilot=2)
@@ -343,7 +337,7 @@ def test_remedy_runs_keep_finished_runs_under_a_folder_named_by_their_inputs(
 ):
     import copy
 
-    from grpo_companion.chapters.sparsity import lm_runs
+    from grpo_companion.chapters.sparsity import remedies
     from grpo_companion.lm.gsm8k import load_gsm8k
 
     model, tokenizer = random_tiny
@@ -353,7 +347,7 @@ def test_remedy_runs_keep_finished_runs_under_a_folder_named_by_their_inputs(
             load_gsm8k("test", source="arithmetic", num_examples=2, seed=0))  # fmt: skip
 
     def runs(methods):
-        return lm_runs.remedy_runs(lambda: copy.deepcopy(model), tokenizer, *data, grpo, methods,
+        return remedies.remedy_runs(lambda: copy.deepcopy(model), tokenizer, *data, grpo, methods,
                                    [0], initial_accuracy=0.0, workers=1, keep=tmp_path)  # fmt: skip
 
     first = runs({"grpo": {"method": "grpo"}})
@@ -361,7 +355,7 @@ def test_remedy_runs_keep_finished_runs_under_a_folder_named_by_their_inputs(
     def no_training(*args, **kwargs):
         raise AssertionError("a kept run was trained again")
 
-    monkeypatch.setattr(lm_runs, "train", no_training)
+    monkeypatch.setattr(remedies, "train", no_training)
     assert runs({"grpo": {"method": "grpo"}}) == first  # read back, not trained
     with pytest.raises(RuntimeError, match="a kept run was trained again"):
         runs({"grpo": {"method": "grpo", "learning_rate": 3e-5}})  # other inputs: another folder
