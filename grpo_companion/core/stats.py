@@ -138,6 +138,21 @@ def grid_choice(grid, means, start: float | None = None, margin: float = 0.0) ->
             "means": means, "learned": learned}  # fmt: skip
 
 
+def choice_records(choice: dict, prefix: str, inside_key: str) -> dict:
+    """The records of one `grid_choice` per arm (`choice`: {arm: its result}):
+    "<prefix><arm>_learning_rate", "<prefix><arm>_lr_inside" (1 or 0) and
+    "<prefix><arm>_tune_learned" (1 or 0; None when unmeasured); and `inside_key`, 1 when every
+    arm's best rate lies strictly inside its grid."""
+    records = {}
+    for arm, chosen in choice.items():
+        records[f"{prefix}{arm}_learning_rate"] = chosen["learning_rate"]
+        records[f"{prefix}{arm}_lr_inside"] = int(chosen["inside"])
+        learned = chosen["learned"]
+        records[f"{prefix}{arm}_tune_learned"] = None if learned is None else int(learned)
+    records[inside_key] = int(all(chosen["inside"] for chosen in choice.values()))
+    return records
+
+
 def accuracy_noise(accuracy: float, num_problems: int) -> float:
     """Two binomial standard errors of an accuracy measured on `num_problems` problems,
     2 sqrt(p (1 - p) / n): a gain smaller than this on one tuning run is not told from noise."""

@@ -99,6 +99,24 @@ def test_grid_choice_takes_the_best_the_lowest_on_a_tie_and_says_whether_it_is_i
     assert grid_choice([1, 2, 3], [0.2, 0.31, 0.1], start=0.3, margin=0.05)["learned"] is False
 
 
+def test_choice_records_name_each_arms_rate_and_gates():
+    from grpo_companion.core.stats import choice_records, grid_choice
+
+    choice = {
+        "a": grid_choice([1, 2, 3], [0.1, 0.5, 0.2], start=0.3),  # inside, learned
+        "b": grid_choice([1, 2, 3], [0.1, 0.2, 0.25], start=0.3),  # at the edge, not learned
+        "c": grid_choice([1, 2, 3], [0.1, 0.5, 0.2]),  # learning not measured
+    }
+    assert choice_records(choice, "x_", "x_lr_inside") == {
+        "x_a_learning_rate": 2, "x_a_lr_inside": 1, "x_a_tune_learned": 1,
+        "x_b_learning_rate": 3, "x_b_lr_inside": 0, "x_b_tune_learned": 0,
+        "x_c_learning_rate": 2, "x_c_lr_inside": 1, "x_c_tune_learned": None,
+        "x_lr_inside": 0,
+    }  # fmt: skip
+    inside = {name: choice[name] for name in ("a", "c")}
+    assert choice_records(inside, "", "all_inside")["all_inside"] == 1
+
+
 def test_accuracy_noise_is_two_binomial_standard_errors():
     from grpo_companion.core.stats import accuracy_noise
 

@@ -24,6 +24,7 @@ import pandas as pd
 
 from grpo_companion.core.stats import (
     accuracy_noise,
+    choice_records,
     fitted_trend,
     grid_choice,
     interval_words,
@@ -180,14 +181,7 @@ def tuning_records(choice: dict) -> dict:
     start on the validation chains by more than two binomial standard errors over the problems,
     None when unmeasured) and "credit_lr_inside", 1 when every arm's best rate lies
     strictly inside the grid."""
-    records = {}
-    for arm, chosen in choice.items():
-        records[f"credit_{arm}_learning_rate"] = chosen["learning_rate"]
-        records[f"credit_{arm}_lr_inside"] = int(chosen["inside"])
-        learned = chosen["learned"]
-        records[f"credit_{arm}_tune_learned"] = None if learned is None else int(learned)
-    records["credit_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
-    return records
+    return choice_records(choice, "credit_", "credit_lr_inside")
 
 
 def warm_start_step_counts() -> list[int]:

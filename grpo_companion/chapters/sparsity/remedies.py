@@ -17,6 +17,7 @@ from grpo_companion.chapters.sparsity.rate import (
 from grpo_companion.core.exact import best_step_error, beta_quadrature
 from grpo_companion.core.stats import (
     accuracy_noise,
+    choice_records,
     grid_choice,
     interval_words,
     metric_by_step,
@@ -121,13 +122,7 @@ def tuning_records(choice: dict, methods: dict, reference: str) -> dict:
     1 when a method's overrides (`methods`: name -> GRPOConfig fields) differ
     from the `reference`'s only in the advantage (`method`) and `filter_degenerate`: the same
     loss aggregation, so the comparison changes one thing."""
-    records = {}
-    for name, chosen in choice.items():
-        records[f"{name}_learning_rate"] = chosen["learning_rate"]
-        records[f"{name}_lr_inside"] = int(chosen["inside"])
-        learned = chosen["learned"]
-        records[f"{name}_tune_learned"] = None if learned is None else int(learned)
-    records["remedy_lr_inside"] = int(all(chosen["inside"] for chosen in choice.values()))
+    records = choice_records(choice, "", "remedy_lr_inside")
     varied = ("method", "filter_degenerate", "learning_rate")
     base = {k: v for k, v in methods[reference].items() if k not in varied}
     for name, overrides in methods.items():
