@@ -31,8 +31,14 @@ is the time inside our step's forward pass (`completion_logits`), `token_log_pro
 `grpo_loss` and `backward`. Times are CPU seconds of the process (`time.process_time`), medians
 over the rounds; the load average is printed, since the machine may be shared.
 
+`--profile` then runs the lean sampling and one more lean step under `torch.profiler` and
+splits their CPU time by kernel (`time_by_kind`): the matrix products, attention (sdpa's
+kernels) and the rest, each over the same floor. The products alone over the floor say how
+fast this CPU multiplies the step's own small matrices (128 rows or fewer against a 256-wide
+model) beside a 2048 x 2048 product; the profiler's own overhead lands in the rest.
+
     pip install -r benchmarks/requirements.txt   # TRL, as for grpo_step_vs_trl.py
-    python benchmarks/floor.py [--repeats 3 --threads 1 --no-trl]
+    python benchmarks/floor.py [--repeats 3 --threads 1 --no-trl --profile]
     python benchmarks/floor.py --quick       # smoke run: the smoke model, one round, no TRL
 """
 
@@ -72,6 +78,35 @@ def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.process_time() - start)
     return 2 * size**3 / best
+
+
+# The matrix products' kernels; the attention's are the operators named "...attention..."
+PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+KINDS = ("products", "attention", "the rest")
+
+
+def time_by_kind(work) -> dict[str, float]:
+    """CPU seconds of `work()` by what spent them: the matrix products' and attention's
+    operators (the profiler's self time of each), and the rest of the process's CPU time
+    (other operators, Python, the profiler's own overhead)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profile:
+        start = time.process_time()
+        work()
+        total = time.process_time() - start
+    seconds = dict.fromkeys(KINDS[:2], 0.0)
+    for event in profile.key_averages():
+        if event.key in PRODUCTS:
+            seconds[KINDS[0]] += event.self_cpu_time_total / 1e6
+        elif "attention" in event.key:
+            seconds[KINDS[1]] += event.self_cpu_time_total / 1e6
+    return {**seconds, KINDS[2]: total - sum(seconds.values())}
+
+
+def print_by_kind(seconds: dict[str, float], floor: float) -> None:
+    """One line: each kind's CPU seconds and its multiple of `floor`."""
+    parts = ", ".join(f"{kind} {cpu:.3f} s ({cpu / floor:.2f})" for kind, cpu in seconds.items())
+    print(f"  by kernel, over the floor (profiled): {parts}")
 
 
 def forward_flops(model, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> float:
@@ -123,7 +158,9 @@ def sampling_round(model, tokenizer, prompts, prompt_ids, prompt_mask, config, s
     return results
 
 
-def sampling_section(model, tokenizer, prompts, settings, rounds: int, rate: float) -> dict:
+def sampling_section(
+    model, tokenizer, prompts, settings, rounds: int, rate: float, profile: bool = False
+) -> dict:
     """Median CPU seconds of each sampler, the floor and the checks; prints its table."""
     prompt_ids, prompt_mask = rollouts._tokenize_prompts(tokenizer, prompts, model.device)
     config = rollouts.sampling_config(
@@ -162,6 +199,11 @@ def sampling_section(model, tokenizer, prompts, settings, rounds: int, rate: flo
     ratio = medians["lean"] / floor
     verdict = "PASS" if ratio <= TARGETS["sampling"] else "FAIL"
     print(f"  lean sampling / floor {ratio:.2f} (target <= {TARGETS['sampling']:g}): {verdict}")
+    if profile:
+        with rollouts.seeded(0, model.device):
+            seconds = time_by_kind(lambda: rollouts._generate(
+                model, prompt_ids, prompt_mask, config, len(prompt_ids), "lean"))  # fmt: skip
+        print_by_kind(seconds, floor)
     return {"sampling / floor": ratio, "same tokens": same}
 
 
@@ -212,7 +254,9 @@ class StepSide:
         return record
 
 
-def step_section(spec, config, prompts, golds, rounds: int, rate: float, with_trl: bool):
+def step_section(
+    spec, config, prompts, golds, rounds: int, rate: float, with_trl: bool, profile: bool = False
+):
     """Our step with each sampler, interleaved with TRL's when `with_trl`; prints its table."""
     # "before": the step as it ran before the lean sampler and the length buckets.
     padded = dataclasses.replace(config, length_bucket_size=None)
@@ -266,6 +310,11 @@ def step_section(spec, config, prompts, golds, rounds: int, rate: float, with_tr
         versus = cpu / trl_seconds
         verdict = "PASS" if versus <= TARGETS["step / TRL"] else "FAIL"
         print(f"  step (lean) / TRL {versus:.3f} (target <= {TARGETS['step / TRL']:g}): {verdict}")
+    if profile:  # one more step, on prompts no timed step used
+        lean = sides["lean"]
+        seconds = time_by_kind(lambda: lean(rounds + 2))
+        *_, flops = lean.records.pop()
+        print_by_kind(seconds, forward_passes * flops / rate)
     return ratios
 
 
@@ -291,6 +340,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's step")
     parser.add_argument("--quick", action="store_true", help="smoke model, one round, no TRL")
+    parser.add_argument("--profile", action="store_true", help="split the time by kernel")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.no_trl = 1, True
@@ -303,7 +353,7 @@ def main():
     load_before = os.getloadavg()
     rate = matmul_rate()
     model, tokenizer = load_tiny_llama(spec, progress=False)
-    steps = args.repeats + 1
+    steps = args.repeats + 1 + args.profile
     data = gsm8k.load_gsm8k(
         "train", source="arithmetic", num_examples=steps * CONFIG.per_step_prompts, seed=0
     )
@@ -316,8 +366,8 @@ def main():
         f"{_load(load_before)}"
     )
     sampling_section(model, tokenizer, prompts[: CONFIG.per_step_prompts], CONFIG,
-                     args.repeats, rate)  # fmt: skip
-    step_section(spec, CONFIG, prompts, golds, args.repeats, rate, not args.no_trl)
+                     args.repeats, rate, args.profile)  # fmt: skip
+    step_section(spec, CONFIG, prompts, golds, args.repeats, rate, not args.no_trl, args.profile)
     print(f"load average after: {_load(os.getloadavg())}")
 
 
