@@ -28,6 +28,7 @@ import time
 from unittest import mock
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from grpo_companion.lm import trainer
 from grpo_companion.lm.config import GRPOConfig
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--smoke-model", action="store_true")
     args = parser.parse_args(argv)
+    transformers_logging.disable_progress_bar()  # each run's "Loading weights" bar, workers too
 
     spec = TinyLlamaSpec(**SMOKE) if args.smoke_model else TinyLlamaSpec()
     _, tokenizer = load_tiny_llama(spec, progress=True)
