@@ -33,9 +33,11 @@ over the rounds; the load average is printed, since the machine may be shared.
 
 `--profile` then runs the lean sampling and one more lean step under `torch.profiler` and
 splits their CPU time by kernel (`time_by_kind`): the matrix products, attention (sdpa's
-kernels) and the rest, each over the same floor. The products alone over the floor say how
-fast this CPU multiplies the step's own small matrices (128 rows or fewer against a 256-wide
-model) beside a 2048 x 2048 product; the profiler's own overhead lands in the rest.
+kernels) and the rest, each over the same floor, and prints the rate the products ran at and
+their FLOPs over the floor's (padding, finished rows kept as passengers, the prompt's cache
+copied into each length bucket): how fast this CPU multiplies the step's own small matrices (128
+rows or fewer against a 256-wide model) beside a 2048 x 2048 product, and how much more the
+products do than the floor counts. The profiler's own overhead lands in the rest.
 
     pip install -r benchmarks/requirements.txt   # TRL, as for grpo_step_vs_trl.py
     python benchmarks/floor.py [--repeats 3 --threads 1 --no-trl --profile]
@@ -85,28 +87,36 @@ PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 KINDS = ("products", "attention", "the rest")
 
 
-def time_by_kind(work) -> dict[str, float]:
+def time_by_kind(work) -> tuple[dict[str, float], float]:
     """CPU seconds of `work()` by what spent them: the matrix products' and attention's
     operators (the profiler's self time of each), and the rest of the process's CPU time
-    (other operators, Python, the profiler's own overhead)."""
+    (other operators, Python, the profiler's own overhead); and the FLOPs the products ran
+    (the profiler's count, 2 M K N a product, padding and finished rows included)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities) as profile:
+    with torch.profiler.profile(activities=activities, with_flops=True) as profile:
         start = time.process_time()
         work()
         total = time.process_time() - start
-    seconds = dict.fromkeys(KINDS[:2], 0.0)
+    seconds, flops = dict.fromkeys(KINDS[:2], 0.0), 0.0
     for event in profile.key_averages():
         if event.key in PRODUCTS:
             seconds[KINDS[0]] += event.self_cpu_time_total / 1e6
+            flops += event.flops
         elif "attention" in event.key:
             seconds[KINDS[1]] += event.self_cpu_time_total / 1e6
-    return {**seconds, KINDS[2]: total - sum(seconds.values())}
+    return {**seconds, KINDS[2]: total - sum(seconds.values())}, flops
 
 
-def print_by_kind(seconds: dict[str, float], floor: float) -> None:
-    """One line: each kind's CPU seconds and its multiple of `floor`."""
+def print_by_kind(seconds: dict[str, float], product_flops: float, floor_flops: float,
+                  rate: float) -> None:  # fmt: skip
+    """Each kind's CPU seconds over the floor (`floor_flops` at `rate`); the products' own
+    rate, and their FLOPs over the floor's."""
+    floor = floor_flops / rate
     parts = ", ".join(f"{kind} {cpu:.3f} s ({cpu / floor:.2f})" for kind, cpu in seconds.items())
     print(f"  by kernel, over the floor (profiled): {parts}")
+    products = product_flops / seconds[KINDS[0]]
+    print(f"  the products ran at {products / 1e9:.1f} GFLOP/s ({products / rate:.2f} of the "
+          f"floor's rate), {product_flops / floor_flops:.2f}x the floor's FLOPs")  # fmt: skip
 
 
 def forward_flops(model, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> float:
@@ -201,9 +211,9 @@ def sampling_section(
     print(f"  lean sampling / floor {ratio:.2f} (target <= {TARGETS['sampling']:g}): {verdict}")
     if profile:
         with rollouts.seeded(0, model.device):
-            seconds = time_by_kind(lambda: rollouts._generate(
+            seconds, flops = time_by_kind(lambda: rollouts._generate(
                 model, prompt_ids, prompt_mask, config, len(prompt_ids), "lean"))  # fmt: skip
-        print_by_kind(seconds, floor)
+        print_by_kind(seconds, flops, floor * rate, rate)
     return {"sampling / floor": ratio, "same tokens": same}
 
 
@@ -312,9 +322,9 @@ def step_section(
         print(f"  step (lean) / TRL {versus:.3f} (target <= {TARGETS['step / TRL']:g}): {verdict}")
     if profile:  # one more step, on prompts no timed step used
         lean = sides["lean"]
-        seconds = time_by_kind(lambda: lean(rounds + 2))
+        seconds, product_flops = time_by_kind(lambda: lean(rounds + 2))
         *_, flops = lean.records.pop()
-        print_by_kind(seconds, forward_passes * flops / rate)
+        print_by_kind(seconds, product_flops, forward_passes * flops, rate)
     return ratios
 
 
