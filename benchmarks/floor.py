@@ -34,10 +34,10 @@ over the rounds; the load average is printed, since the machine may be shared.
 `--profile` then runs the lean sampling and one more lean step under `torch.profiler` and
 splits their CPU time by kernel (`time_by_kind`): the matrix products, attention (sdpa's
 kernels) and the rest, each over the same floor, and prints the rate the products ran at and
-their FLOPs over the floor's (padding, finished rows kept as passengers, the prompt's cache
-copied into each length bucket): how fast this CPU multiplies the step's own small matrices (128
-rows or fewer against a 256-wide model) beside a 2048 x 2048 product, and how much more the
-products do than the floor counts. The profiler's own overhead lands in the rest.
+their FLOPs over the floor's (padding within a length bucket and finished rows kept as
+passengers are work the floor does not count): how fast this CPU multiplies the step's own small
+matrices (a few hundred rows or fewer against a 256-wide model) beside a 2048 x 2048 product, and
+how much more the products do than the floor counts. The profiler's overhead lands in the rest.
 
     pip install -r benchmarks/requirements.txt   # TRL, as for grpo_step_vs_trl.py
     python benchmarks/floor.py [--repeats 3 --threads 1 --no-trl --profile]
