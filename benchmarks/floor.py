@@ -4,7 +4,11 @@ Targets: sampling (the lean sampler, `lm.sampler`) within 2x its floor; a whole 
 (`trainer.grpo_step` sampling with it) within 1.3x its floor and at or below 0.5 of TRL's step.
 
 The floor of a piece of work is its arithmetic at this machine's rate for a large matrix
-product: a 2048 x 2048 product on `--threads` threads (1 by default), best CPU time of five.
+product: a 2048 x 2048 product on `--threads` threads (1 by default), best CPU time of three,
+measured at the start and again before each timed round; the floor takes the highest rate
+measured so far. The host's rate drifts (by 10-20% within an hour, and more for seconds at a
+time), so a rate measured once could be a slow moment's and flatter the ratios; the best one
+never does.
 FLOPs (two per multiply-add) of the model's forward pass per token position (`forward_flops`):
     2 * (the decoder layers' matrix parameters)            the projections and the MLP
   + 4 * layers * context * heads * head_dim                 QK^T and attention x V
@@ -70,7 +74,7 @@ TARGETS = {"sampling": 2.0, "step": 1.3, "step / TRL": 0.5}
 MATMUL_SIZE = 2048
 
 
-def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
+def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 3) -> float:
     """FLOP/s of a (size x size) @ (size x size) float32 product, best CPU time of `repeats`."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
@@ -169,9 +173,10 @@ def sampling_round(model, tokenizer, prompts, prompt_ids, prompt_mask, config, s
 
 
 def sampling_section(
-    model, tokenizer, prompts, settings, rounds: int, rate: float, profile: bool = False
+    model, tokenizer, prompts, settings, rounds: int, rates: list, profile: bool = False
 ) -> dict:
-    """Median CPU seconds of each sampler, the floor and the checks; prints its table."""
+    """Median CPU seconds of each sampler, the floor (at the best of `rates`, to which each
+    round adds one) and the checks; prints its table."""
     prompt_ids, prompt_mask = rollouts._tokenize_prompts(tokenizer, prompts, model.device)
     config = rollouts.sampling_config(
         model,
@@ -184,6 +189,7 @@ def sampling_section(
     )
     seconds = {}
     for _ in range(rounds + 1):  # round 0 is a warm-up
+        rates.append(matmul_rate())
         results = sampling_round(model, tokenizer, prompts, prompt_ids, prompt_mask, config, 0)
         for side, (lap, _) in results.items():
             seconds.setdefault(side, []).append(lap)
@@ -191,6 +197,7 @@ def sampling_section(
     cut = {side: rollouts.cut_at_eos(ids, stop, pad) for side, (_, ids) in results.items()}
     lean, _, lengths, _ = cut["lean"]
     same = {side: _equal(lean, cut[side][0]) for side in ("generate", "plain generate")}
+    rate = max(rates)
     floor = forward_flops(model, prompt_mask.sum(1), lengths) / rate
     medians = {
         side: statistics.median(cpu for _, cpu in laps[1:]) for side, laps in seconds.items()
@@ -198,8 +205,8 @@ def sampling_section(
     print(
         f"\nsampling: {len(prompts)} prompts x G = {settings.num_generations}, "
         f"{int(lengths.sum())} completion tokens (longest {int(lengths.max())}); floor "
-        f"{floor:.3f} s; the lean sampler's tokens are generate_groups' {same['generate']}, "
-        f"plain generate's {same['plain generate']}"
+        f"{floor:.3f} s at {rate / 1e9:.1f} GFLOP/s; the lean sampler's tokens are "
+        f"generate_groups' {same['generate']}, plain generate's {same['plain generate']}"
     )
     print(f"  {'':16} {'CPU s':>7} {'/ floor':>8} {'/ plain generate':>17}")
     for side, cpu in medians.items():
@@ -211,9 +218,9 @@ def sampling_section(
     print(f"  lean sampling / floor {ratio:.2f} (target <= {TARGETS['sampling']:g}): {verdict}")
     if profile:
         with rollouts.seeded(0, model.device):
-            seconds, flops = time_by_kind(lambda: rollouts._generate(
+            seconds, profiled_flops = time_by_kind(lambda: rollouts._generate(
                 model, prompt_ids, prompt_mask, config, len(prompt_ids), "lean"))  # fmt: skip
-        print_by_kind(seconds, flops, floor * rate, rate)
+        print_by_kind(seconds, profiled_flops, floor * rate, rate)
     return {"sampling / floor": ratio, "same tokens": same}
 
 
@@ -225,11 +232,11 @@ class StepSide:
     """Our GRPO step on its own copy of the model, sampling with `sampler`; each call times the
     step, its sampling and its update, and computes its floor."""
 
-    def __init__(self, spec, config, prompts, golds, sampler: str, rate: float):
+    def __init__(self, spec, config, prompts, golds, sampler: str):
         self.model, self.tokenizer = load_tiny_llama(spec, progress=False)
         self.reference, self.optimizer = trainer.reference_and_optimizer(self.model, config)
         self.config, self.prompts, self.golds = config, prompts, golds
-        self.sampler, self.rate = sampler, rate
+        self.sampler = sampler
         self.records = []  # per step: (step CPU s, sampling CPU s, update CPU s, F FLOPs)
 
     def __call__(self, step: int) -> dict:
@@ -265,17 +272,19 @@ class StepSide:
 
 
 def step_section(
-    spec, config, prompts, golds, rounds: int, rate: float, with_trl: bool, profile: bool = False
+    spec, config, prompts, golds, rounds: int, rates: list, with_trl: bool, profile: bool = False
 ):
-    """Our step with each sampler, interleaved with TRL's when `with_trl`; prints its table."""
+    """Our step with each sampler, interleaved with TRL's when `with_trl`, a rate measured
+    before each round (added to `rates`, the floor at their best); prints its table."""
     # "before": the step as it ran before the lean sampler and the length buckets.
     padded = dataclasses.replace(config, length_bucket_size=None)
     sides = {
-        "lean": StepSide(spec, config, prompts, golds, "lean", rate),
-        "before": StepSide(spec, padded, prompts, golds, "generate", rate),
+        "lean": StepSide(spec, config, prompts, golds, "lean"),
+        "before": StepSide(spec, padded, prompts, golds, "generate"),
     }
 
     def ours(step: int) -> dict:
+        rates.append(matmul_rate())
         records = [side(step) for side in sides.values()]
         return records[0]
 
@@ -286,10 +295,11 @@ def step_section(
         for step in range(1, rounds + 2):
             ours(step)
     forward_passes = 5 if config.beta > 0 else 4  # sampling, reference, forward + backward
+    rate = max(rates)
     print(
         f"\nGRPO step ({config.per_step_prompts} prompts x G = {config.num_generations}, "
         f"beta {config.beta}); update = forward + backward of the loss; floor of the step = "
-        f"{forward_passes} forward passes, of the update 3"
+        f"{forward_passes} forward passes, of the update 3, at {rate / 1e9:.1f} GFLOP/s"
     )
     header = f"  {'':22} {'CPU s':>7} {'/ floor':>8}"
     print(header + ("  / TRL's step" if trl_seconds else ""))
@@ -361,7 +371,7 @@ def main():
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*gradient_checkpointing")
     spec = TinyLlamaSpec(**(SMOKE_SPEC if args.quick else {}))
     load_before = os.getloadavg()
-    rate = matmul_rate()
+    rates = [matmul_rate()]
     model, tokenizer = load_tiny_llama(spec, progress=False)
     steps = args.repeats + 1 + args.profile
     data = gsm8k.load_gsm8k(
@@ -372,12 +382,13 @@ def main():
     print(
         f"tiny Llama {spec.num_hidden_layers} x {spec.hidden_size} ({parameters / 1e6:.2f}M "
         f"parameters), torch threads {args.threads}; {MATMUL_SIZE} x {MATMUL_SIZE} matrix "
-        f"product: {rate / 1e9:.1f} GFLOP/s (the floor's rate); load average before "
+        f"product: {rates[0] / 1e9:.1f} GFLOP/s at the start; load average before "
         f"{_load(load_before)}"
     )
     sampling_section(model, tokenizer, prompts[: CONFIG.per_step_prompts], CONFIG,
-                     args.repeats, rate, args.profile)  # fmt: skip
-    step_section(spec, CONFIG, prompts, golds, args.repeats, rate, not args.no_trl, args.profile)
+                     args.repeats, rates, args.profile)  # fmt: skip
+    step_section(spec, CONFIG, prompts, golds, args.repeats, rates, not args.no_trl, args.profile)
+    print(f"the rates measured: {min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f} GFLOP/s")
     print(f"load average after: {_load(os.getloadavg())}")
 
 
