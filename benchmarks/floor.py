@@ -5,10 +5,10 @@ Targets: sampling (the lean sampler, `lm.sampler`) within 2x its floor; a whole 
 
 The floor of a piece of work is its arithmetic at this machine's rate for a large matrix
 product: a 2048 x 2048 product on `--threads` threads (1 by default), best CPU time of three,
-measured at the start and again before each timed round; the floor takes the highest rate
-measured so far. The host's rate drifts (by 10-20% within an hour, and more for seconds at a
-time), so a rate measured once could be a slow moment's and flatter the ratios; the best one
-never does.
+measured at the start and again after each round (warm-up rounds too); each section's floor
+takes the highest rate measured by the time it prints. The host's rate drifts (by 10-20% within
+an hour, and more for seconds at a time), so a rate measured once could be a slow moment's and
+flatter the ratios; the best one never does.
 FLOPs (two per multiply-add) of the model's forward pass per token position (`forward_flops`):
     2 * (the decoder layers' matrix parameters)            the projections and the MLP
   + 4 * layers * context * heads * head_dim                 QK^T and attention x V
@@ -35,13 +35,18 @@ is the time inside our step's forward pass (`completion_logits`), `token_log_pro
 `grpo_loss` and `backward`. Times are CPU seconds of the process (`time.process_time`), medians
 over the rounds; the load average is printed, since the machine may be shared.
 
-`--profile` then runs the lean sampling and one more lean step under `torch.profiler` and
-splits their CPU time by kernel (`time_by_kind`): the matrix products, attention (sdpa's
-kernels) and the rest, each over the same floor, and prints the rate the products ran at and
-their FLOPs over the floor's (padding within a length bucket and finished rows kept as
-passengers are work the floor does not count): how fast this CPU multiplies the step's own small
-matrices (a few hundred rows or fewer against a 256-wide model) beside a 2048 x 2048 product, and
-how much more the products do than the floor counts. The profiler's overhead lands in the rest.
+`--profile` (one thread only) then runs the lean sampling and one more lean step under
+`torch.profiler` and splits their time by kernel (`time_by_kind`): the matrix products,
+attention (sdpa's kernels) and the rest, each over the same floor. It prints the rate the
+products ran at, and their FLOPs over the floor's products' (the floor without its attention
+term, which sdpa computes): how fast this CPU multiplies the step's own matrices (from a few
+rows to several hundred against a 256-wide model) beside a 2048 x 2048 product, and how much
+work the products do that the floor does not count (prompt padding, the last prompt token run
+once per completion, padding within a length bucket, finished rows kept as passengers). An
+operator's time is the profiler's, by the wall clock on its thread: the split is read against
+the process's CPU time, and a warning is printed when the two differ by more than 5% (other
+work shared the core). The profiler's overhead lands in the rest and, for the many tiny
+products of decoding, partly in the products' own time.
 
     pip install -r benchmarks/requirements.txt   # TRL, as for grpo_step_vs_trl.py
     python benchmarks/floor.py [--repeats 3 --threads 1 --no-trl --profile]
@@ -91,16 +96,17 @@ PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 KINDS = ("products", "attention", "the rest")
 
 
-def time_by_kind(work) -> tuple[dict[str, float], float]:
-    """CPU seconds of `work()` by what spent them: the matrix products' and attention's
-    operators (the profiler's self time of each), and the rest of the process's CPU time
-    (other operators, Python, the profiler's own overhead); and the FLOPs the products ran
-    (the profiler's count, 2 M K N a product, padding and finished rows included)."""
+def time_by_kind(work) -> tuple[dict[str, float], float, float]:
+    """Seconds of `work()` by what spent them: the matrix products' and attention's operators
+    (the profiler's self time of each), and the rest of the process's CPU time (other
+    operators, Python, the profiler's own overhead); the FLOPs the products ran (the
+    profiler's count, 2 M K N a product, padding and finished rows included); and the
+    process's CPU time over the wall time (about 1 on an idle core and one thread)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, with_flops=True) as profile:
-        start = time.process_time()
+        start = _now()
         work()
-        total = time.process_time() - start
+        wall, total = _lap(start)
     seconds, flops = dict.fromkeys(KINDS[:2], 0.0), 0.0
     for event in profile.key_averages():
         if event.key in PRODUCTS:
@@ -108,39 +114,48 @@ def time_by_kind(work) -> tuple[dict[str, float], float]:
             flops += event.flops
         elif "attention" in event.key:
             seconds[KINDS[1]] += event.self_cpu_time_total / 1e6
-    return {**seconds, KINDS[2]: total - sum(seconds.values())}, flops
+    return {**seconds, KINDS[2]: total - sum(seconds.values())}, flops, total / wall
 
 
-def print_by_kind(seconds: dict[str, float], product_flops: float, floor_flops: float,
+def print_by_kind(profiled: tuple, floor_flops: float, floor_product_flops: float,
                   rate: float) -> None:  # fmt: skip
-    """Each kind's CPU seconds over the floor (`floor_flops` at `rate`); the products' own
-    rate, and their FLOPs over the floor's."""
+    """Each kind's seconds over the floor (`floor_flops` at `rate`); the products' own rate,
+    and their FLOPs over the floor's products' (`floor_product_flops`). `profiled`:
+    `time_by_kind`'s result."""
+    seconds, product_flops, busy = profiled
     floor = floor_flops / rate
     parts = ", ".join(f"{kind} {cpu:.3f} s ({cpu / floor:.2f})" for kind, cpu in seconds.items())
     print(f"  by kernel, over the floor (profiled): {parts}")
     products = product_flops / seconds[KINDS[0]]
     print(f"  the products ran at {products / 1e9:.1f} GFLOP/s ({products / rate:.2f} of the "
-          f"floor's rate), {product_flops / floor_flops:.2f}x the floor's FLOPs")  # fmt: skip
+          f"floor's rate), {product_flops / floor_product_flops:.2f}x the FLOPs of the floor's "
+          "products")  # fmt: skip
+    if abs(busy - 1) > 0.05:
+        print(f"  warning: the process had the CPU for {busy:.2f} of the wall time, so the "
+              "operators' times (wall clock) and the rest (CPU time) do not add up")  # fmt: skip
 
 
-def forward_flops(model, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> float:
+def forward_flops(model, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor,
+                  attention: bool = True) -> float:  # fmt: skip
     """FLOPs of one forward pass over the positions the batch needs (module docstring):
     `prompt_lengths: (B,)` real prompt tokens, `completion_lengths: (B * G,)` tokens, EOS
-    included, rollouts of prompt i at rows i * G ... (i + 1) * G - 1."""
+    included, rollouts of prompt i at rows i * G ... (i + 1) * G - 1. `attention=False`: the
+    matrix products' alone, without QK^T and attention x V."""
     config = model.config
     layer_params = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
     head_params = model.lm_head.weight.numel()
-    attention = 4 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config)
+    per_key = 4 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config)
+    per_key = per_key if attention else 0  # QK^T and attention x V, per query and key
     group = len(completion_lengths) // len(prompt_lengths)
     flops = 0.0
     for prompt in prompt_lengths.tolist():
         contexts = sum(range(1, prompt + 1))  # position j attends to j keys
-        flops += prompt * 2 * layer_params + attention * contexts + 2 * head_params
+        flops += prompt * 2 * layer_params + per_key * contexts + 2 * head_params
     for row, length in enumerate(completion_lengths.tolist()):
         prompt = int(prompt_lengths[row // group])
         positions = max(length - 1, 0)  # completion tokens 0 .. length - 2 are fed back
         contexts = sum(prompt + t + 1 for t in range(positions))
-        flops += positions * (2 * layer_params + 2 * head_params) + attention * contexts
+        flops += positions * (2 * layer_params + 2 * head_params) + per_key * contexts
     return flops
 
 
@@ -189,8 +204,8 @@ def sampling_section(
     )
     seconds = {}
     for _ in range(rounds + 1):  # round 0 is a warm-up
-        rates.append(matmul_rate())
         results = sampling_round(model, tokenizer, prompts, prompt_ids, prompt_mask, config, 0)
+        rates.append(matmul_rate())
         for side, (lap, _) in results.items():
             seconds.setdefault(side, []).append(lap)
     stop, pad = rollouts.stop_token_ids(model, tokenizer), tokenizer.pad_token_id
@@ -199,6 +214,7 @@ def sampling_section(
     same = {side: _equal(lean, cut[side][0]) for side in ("generate", "plain generate")}
     rate = max(rates)
     floor = forward_flops(model, prompt_mask.sum(1), lengths) / rate
+    product_flops = forward_flops(model, prompt_mask.sum(1), lengths, attention=False)
     medians = {
         side: statistics.median(cpu for _, cpu in laps[1:]) for side, laps in seconds.items()
     }
@@ -218,9 +234,9 @@ def sampling_section(
     print(f"  lean sampling / floor {ratio:.2f} (target <= {TARGETS['sampling']:g}): {verdict}")
     if profile:
         with rollouts.seeded(0, model.device):
-            seconds, profiled_flops = time_by_kind(lambda: rollouts._generate(
+            profiled = time_by_kind(lambda: rollouts._generate(
                 model, prompt_ids, prompt_mask, config, len(prompt_ids), "lean"))  # fmt: skip
-        print_by_kind(seconds, profiled_flops, floor * rate, rate)
+        print_by_kind(profiled, floor * rate, product_flops, rate)
     return {"sampling / floor": ratio, "same tokens": same}
 
 
@@ -237,7 +253,8 @@ class StepSide:
         self.reference, self.optimizer = trainer.reference_and_optimizer(self.model, config)
         self.config, self.prompts, self.golds = config, prompts, golds
         self.sampler = sampler
-        self.records = []  # per step: (step CPU s, sampling CPU s, update CPU s, F FLOPs)
+        # per step: (step CPU s, sampling CPU s, update CPU s, F FLOPs, F's products' FLOPs)
+        self.records = []
 
     def __call__(self, step: int) -> dict:
         """Our step `step` on the prompts TRL's step `step` answered."""
@@ -264,9 +281,13 @@ class StepSide:
                                        self.config, step, gsm8k.reward)  # fmt: skip
             total = _lap(start)
         (rollout,) = seen
-        flops = forward_flops(self.model, rollout.prompt_mask.sum(1), rollout.lengths)
+        lengths = rollout.prompt_mask.sum(1), rollout.lengths
+        flops = (
+            forward_flops(self.model, *lengths),
+            forward_flops(self.model, *lengths, attention=False),
+        )
         self.records.append(
-            (total[1], watch.seconds["sampling"][1], watch.seconds["update"][1], flops)
+            (total[1], watch.seconds["sampling"][1], watch.seconds["update"][1], *flops)
         )
         return record
 
@@ -284,8 +305,8 @@ def step_section(
     }
 
     def ours(step: int) -> dict:
-        rates.append(matmul_rate())
         records = [side(step) for side in sides.values()]
+        rates.append(matmul_rate())
         return records[0]
 
     trl_seconds = None
@@ -332,9 +353,9 @@ def step_section(
         print(f"  step (lean) / TRL {versus:.3f} (target <= {TARGETS['step / TRL']:g}): {verdict}")
     if profile:  # one more step, on prompts no timed step used
         lean = sides["lean"]
-        seconds, product_flops = time_by_kind(lambda: lean(rounds + 2))
-        *_, flops = lean.records.pop()
-        print_by_kind(seconds, product_flops, forward_passes * flops, rate)
+        profiled = time_by_kind(lambda: lean(rounds + 2))
+        *_, flops, product_flops = lean.records.pop()
+        print_by_kind(profiled, forward_passes * flops, forward_passes * product_flops, rate)
     return ratios
 
 
@@ -364,6 +385,8 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.no_trl = 1, True
+    if args.profile and args.threads != 1:  # the operators' times are their own thread's
+        parser.error("--profile splits one thread's time: use --threads 1")
 
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
