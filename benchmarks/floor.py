@@ -214,7 +214,6 @@ def sampling_section(
     same = {side: _equal(lean, cut[side][0]) for side in ("generate", "plain generate")}
     rate = max(rates)
     floor = forward_flops(model, prompt_mask.sum(1), lengths) / rate
-    product_flops = forward_flops(model, prompt_mask.sum(1), lengths, attention=False)
     medians = {
         side: statistics.median(cpu for _, cpu in laps[1:]) for side, laps in seconds.items()
     }
@@ -236,6 +235,7 @@ def sampling_section(
         with rollouts.seeded(0, model.device):
             profiled = time_by_kind(lambda: rollouts._generate(
                 model, prompt_ids, prompt_mask, config, len(prompt_ids), "lean"))  # fmt: skip
+        product_flops = forward_flops(model, prompt_mask.sum(1), lengths, attention=False)
         print_by_kind(profiled, floor * rate, product_flops, rate)
     return {"sampling / floor": ratio, "same tokens": same}
 
