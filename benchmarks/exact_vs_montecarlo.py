@@ -11,6 +11,10 @@ its time is extrapolated from the per-group cost of a timed batch, marked "est."
     python benchmarks/exact_vs_montecarlo.py
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import time
 

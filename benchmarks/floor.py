@@ -53,6 +53,10 @@ products of decoding, partly in the products' own time.
     python benchmarks/floor.py --quick       # smoke run: the smoke model, one round, no TRL
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import dataclasses
 import os

@@ -52,6 +52,10 @@ longest completion of the batch.
     python benchmarks/grpo_step_vs_trl.py [--repeats 7 --threads 1]
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import os
 import statistics

@@ -20,6 +20,10 @@ different token: printed, the largest difference of a seed's last training rewar
     python benchmarks/parallel_seeds.py [--seeds 4 --steps 5]
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import functools
 import os

@@ -29,6 +29,10 @@ breakdown times the parts of `generate_rollouts` by wrapping its helpers.
     python benchmarks/rollout_throughput.py [--repeats 5 --threads 1]
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import os
 import statistics

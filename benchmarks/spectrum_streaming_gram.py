@@ -38,6 +38,10 @@ completions): time and memory don't depend on them.
     python benchmarks/spectrum_streaming_gram.py [--rollouts 8 --prompt 32 --completion 32]
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import importlib.metadata
 import json

@@ -13,6 +13,10 @@ says whether compiling would shorten a chapter's run of a few hundred steps, com
     python benchmarks/torch_compile.py [--repeats 3 --steps 100]
 """
 
+import grpo_companion  # noqa: F401  first: pins the kernels before torch and numpy load
+
+# isort: split
+
 import argparse
 import statistics
 import sys

@@ -8,12 +8,16 @@ pure function of its key (its seed, its arm) gives the same result in a worker a
 `map_runs(..., workers=1)` gives in this process on one thread (tests/lm/test_parallel.py).
 With `keep`, each finished run is stored on disk as it ends, so a run that fails (or a build
 that is stopped) loses only the runs not yet finished; the folder is named by `run_store`, a
-digest of everything the runs depend on.
+digest of everything the runs depend on. A worker ends with the process that started it, even
+one killed outright (`_die_with_parent`): a stopped build leaves no orphans computing on.
 """
 
+import ctypes
 import hashlib
 import os
 import pickle
+import signal
+import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from grpo_companion.reproducibility import code_path
 
 # The run of the current `map_runs`: forked workers inherit it, so a closure (a lambda that
 # loads the model) need not be pickled; only the keys and the results cross between processes.
@@ -35,6 +41,16 @@ def _one_run(key):
         raise RuntimeError(
             f"run {key!r} failed in its worker:\n{traceback.format_exc()}"
         ) from error
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel end this worker when its parent ends, however it ends (Linux's parent
+    death signal; elsewhere a killed parent's workers end when they next find their pipe gone)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 def default_workers() -> int:
@@ -73,7 +89,12 @@ def map_runs(run, keys, *, workers: int | None = None, desc: str = "runs", progr
             for key in tqdm(todo, desc=desc, disable=not progress):
                 done[key] = finished(key, _one_run(key))
             return {key: done[key] for key in keys}
-        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+        with ProcessPoolExecutor(
+            workers,
+            mp_context=get_context("fork"),
+            initializer=_die_with_parent,
+            initargs=(os.getpid(),),
+        ) as pool:
             futures = {pool.submit(_one_run, key): key for key in todo}
             for future in tqdm(
                 as_completed(futures), total=len(todo), desc=desc, disable=not progress
@@ -93,13 +114,14 @@ def map_runs(run, keys, *, workers: int | None = None, desc: str = "runs", progr
 def run_store(root: str | Path, *parts) -> Path:
     """The folder under `root` for `map_runs(keep=...)` of runs that depend on `parts` (their
     settings, data and starting weights: values with a stable repr, tensors, dicts of them such as
-    a state dict, models (their weights), functions (their names) and datasets (their rows)) and
-    on this package's source code: a digest of all of them names it, so any
-    change to what the runs depend on names another folder, and stale results are never read."""
+    a state dict, models (their weights), functions (their names) and datasets (their rows)), on
+    this package's source code and on the kernels' code path: a digest of all of them names it,
+    so any change to what the runs depend on names another folder, and stale results are never
+    read."""
     digest = hashlib.sha256()
     for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         digest.update(source.read_bytes())
-    for part in parts:
+    for part in (code_path(), *parts):
         _digest(digest, part)
     return Path(root) / digest.hexdigest()[:24]
 

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_companion.lm.gsm8k import build_prompts, load_gsm8k
 from grpo_companion.lm.rollouts import greedy_accuracy
+from grpo_companion.reproducibility import code_path
 
 DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[2] / "_build" / "cache" / "models"
 
@@ -103,12 +104,14 @@ class TinyLlamaSpec:
 
     def cache_key(self) -> str:
         """Folder name of this spec's checkpoint: changes with any field, the recipe
-        version, or the problems the generator produces for this seed."""
+        version, the problems the generator produces for this seed, or the kernels' code path
+        (`reproducibility.code_path`): a checkpoint trained on another path has other weights."""
         sample = load_gsm8k("train", source="arithmetic", num_examples=16, seed=self.seed)
         fingerprint = {
             "spec": asdict(self),
             "recipe": _RECIPE_VERSION,
             "data": sample.to_dict(),
+            "code_path": code_path(),
         }
         digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
         return f"tiny-llama-{digest[:16]}"

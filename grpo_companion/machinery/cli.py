@@ -1,6 +1,7 @@
-"""Command line of the book: `python -m grpo_companion {list,run,book,html,pdf}`.
+"""Command line of the book: `python -m grpo_companion {list,run,book,html,pdf,fingerprint}`.
 
-Every command and subcommand answers `--help` with what it does and an example.
+Every command and subcommand answers `--help` with what it does and an example. A command that
+writes into the build folder holds its lock (`build_lock`): one run per folder at a time.
 """
 
 import argparse
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from grpo_companion.machinery import fingerprint
+from grpo_companion.machinery.build_lock import BuildLocked, build_lock
 from grpo_companion.machinery.pipeline import (
     PipelineError,
     Project,
@@ -32,7 +35,8 @@ examples:
   python -m grpo_companion run 01_policy_gradient -p num_repeats 50
   python -m grpo_companion book --profile smoke
   python -m grpo_companion --build-dir /tmp/book html
-  python -m grpo_companion pdf"""
+  python -m grpo_companion pdf
+  python -m grpo_companion fingerprint --check smoke"""
 
 # name: (what it does, in one line; more; an example)
 COMMANDS = {
@@ -69,7 +73,17 @@ COMMANDS = {
         "chromium-driver (`make browser`).",
         "python -m grpo_companion pdf",
     ),
+    "fingerprint": (
+        "store or check the fingerprint of every recorded value of a build",
+        "Write the fingerprint of the build's recorded values (a SHA-256 per chapter over its "
+        "values, floats by their exact bits, timings and provenance left out, and each value or "
+        "its digest) to book/fingerprints/PROFILE.yml; with --check, compare the build with that "
+        "file instead: exit 0 when it reproduces it bit for bit, else 1, naming every chapter and "
+        "value that differs.",
+        "python -m grpo_companion fingerprint --check cpu",
+    ),
 }
+WRITES_BUILD = ("run", "book", "html", "pdf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
             )
             command.add_argument(
                 "--no-progress", action="store_true", help="hide papermill's cell progress bar"
+            )
+        if name == "fingerprint":
+            command.add_argument("profile", help="the build's profile: smoke, cpu or gpu")
+            command.add_argument(
+                "--check", action="store_true", help="compare with the stored fingerprint"
             )
         if name == "run":
             command.add_argument(
@@ -140,32 +159,71 @@ def _print_timings(project: Project, profile: str, timings: dict[str, float]) ->
         print(f"  {chapter:<{width}}  {seconds:7.1f}")
 
 
+def _fingerprint(project: Project, profile: str, check: bool) -> int:
+    results = project.build_dir / "results"
+    measured = fingerprint.build_fingerprint(results, project.chapters)
+    profiles = {json.loads((results / f"{c}.json").read_text())["profile"] for c in measured}
+    if not measured or profiles != {profile}:
+        found = ", ".join(sorted(profiles)) or "none"
+        raise PipelineError(
+            f"{results} holds no {profile} build (profiles found: {found}); run "
+            f"`python -m grpo_companion book --profile {profile}` first"
+        )
+    stored = fingerprint.stored_path(project.root, profile)
+    if check:
+        if not stored.exists():
+            raise PipelineError(f"no stored fingerprint {stored}; write it without --check")
+        lines = fingerprint.differences(fingerprint.load(stored), measured)
+        for line in lines:
+            print(line)
+        verdict = "does not reproduce" if lines else "reproduces"
+        print(f"the {profile} build {verdict} {stored.relative_to(project.root)}")
+        return 1 if lines else 0
+    missing = [chapter for chapter in project.chapters if chapter not in measured]
+    if missing:
+        raise PipelineError(f"the build lacks {', '.join(missing)}: run every chapter first")
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_bytes(fingerprint.dumps(measured))
+    print(f"wrote {stored.relative_to(project.root)} ({len(measured)} chapters)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     project = Project(args.root, args.build_dir)
     try:
-        if args.command == "list":
-            for chapter in project.chapters:
-                print(chapter, chapter_parameters(project.source(chapter)))
-            print("profiles:", ", ".join(project.profiles))
-            return 0
-        if args.command in ("run", "book"):
-            overrides = {name: parse_value(value) for name, value in getattr(args, "parameter", [])}
-            chapters = args.chapters if args.command == "run" else project.chapters
-            timings = _execute(project, chapters, args.profile, overrides, not args.no_progress)
-            _print_timings(project, args.profile, timings)
-        if args.command in ("book", "html"):
-            start = time.perf_counter()
-            html = build_html(project)
-            seconds = time.perf_counter() - start
-            print(f"built the HTML in {seconds:.1f} s; open {html / 'index.html'}")
-        if args.command == "pdf":
-            from grpo_companion.machinery.pdf import build_pdf
-
-            start = time.perf_counter()
-            pdf = build_pdf(project)
-            print(f"printed the PDF in {time.perf_counter() - start:.1f} s: {pdf}")
-    except PipelineError as error:
+        if args.command in WRITES_BUILD:
+            with build_lock(project.build_dir):
+                return _command(project, args)
+        return _command(project, args)
+    except (PipelineError, BuildLocked) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+def _command(project: Project, args) -> int:
+    """Run one parsed command; the exit status."""
+    if args.command == "fingerprint":
+        return _fingerprint(project, args.profile, args.check)
+    if args.command == "list":
+        for chapter in project.chapters:
+            print(chapter, chapter_parameters(project.source(chapter)))
+        print("profiles:", ", ".join(project.profiles))
+        return 0
+    if args.command in ("run", "book"):
+        overrides = {name: parse_value(value) for name, value in getattr(args, "parameter", [])}
+        chapters = args.chapters if args.command == "run" else project.chapters
+        timings = _execute(project, chapters, args.profile, overrides, not args.no_progress)
+        _print_timings(project, args.profile, timings)
+    if args.command in ("book", "html"):
+        start = time.perf_counter()
+        html = build_html(project)
+        seconds = time.perf_counter() - start
+        print(f"built the HTML in {seconds:.1f} s; open {html / 'index.html'}")
+    if args.command == "pdf":
+        from grpo_companion.machinery.pdf import build_pdf
+
+        start = time.perf_counter()
+        pdf = build_pdf(project)
+        print(f"printed the PDF in {time.perf_counter() - start:.1f} s: {pdf}")
     return 0

@@ -3,7 +3,8 @@
 Every `_build/results/<chapter>.json` carries a `provenance` record, gathered in two places:
 
 - in the kernel, by `ChapterReport.write` (`kernel_provenance`): package versions, torch's thread
-  count, the CPU model, the GPU's name when torch sees one, and the kernel's CPU seconds;
+  count and CPU capability in force with the pinning variables (`reproducibility.settings`), the
+  CPU model, the GPU's name when torch sees one, and the kernel's CPU seconds;
 - in the pipeline, after the chapter ran (`pipeline_provenance`): the git commit and whether the
   tree was dirty, the profile, every resolved parameter and where it came from, the seed, the
   device, the start time, the wall seconds and the command that re-runs the chapter.
@@ -43,6 +44,8 @@ FIELDS = {
     "seed": (int, type(None)),
     "versions": (dict,),
     "torch_threads": (int,),
+    "cpu_capability": (str,),
+    "pinning": (dict,),
     "cpu_model": (str,),
     "device": (str,),
     "gpu_name": (str, type(None)),
@@ -52,7 +55,17 @@ FIELDS = {
     "command": (str,),
 }
 # The fields on which the chapters of one build must agree; the rest are per chapter.
-SHARED_FIELDS = ("commit", "dirty", "profile", "versions", "cpu_model", "gpu_name", "torch_threads")
+SHARED_FIELDS = (
+    "commit",
+    "dirty",
+    "profile",
+    "versions",
+    "cpu_model",
+    "gpu_name",
+    "torch_threads",
+    "cpu_capability",
+    "pinning",
+)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -81,9 +94,14 @@ def kernel_provenance() -> dict:
     is the kernel process's CPU time (all its threads) from its start to the chapter's end."""
     import torch
 
+    from grpo_companion.reproducibility import settings
+
+    pinning = settings()
     return {
         "versions": package_versions(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": pinning.pop("torch_threads"),
+        "cpu_capability": pinning.pop("cpu_capability"),
+        "pinning": pinning,
         "cpu_model": cpu_model(),
         "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cpu_seconds": round(time.process_time(), 3),
@@ -232,6 +250,14 @@ def provenance_markdown(build_dir: Path) -> str:
         )
         gpu = present[0].get("gpu_name") or "none"
         text += f". CPU: {present[0].get('cpu_model')}; GPU: {gpu}."
+        pinning = present[0].get("pinning") or {}
+        if pinning.get("pinned"):
+            text += (
+                f" Kernels pinned to the {present[0].get('cpu_capability')} code path "
+                f"({', '.join(f'`{k}={v}`' for k, v in pinning['environment'].items())})."
+            )
+        elif pinning:
+            text += " **Kernels not pinned**: numbers may differ from the book's."
     found = differences(records)
     if found:
         text += "\n\n**The chapters of this build differ in:**\n\n" + "\n".join(

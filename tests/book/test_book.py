@@ -419,3 +419,16 @@ def test_the_ledger_summary_shows_every_verdict_without_scrolling(browser, built
     summary = driver.execute_script(LEDGER_SUMMARY)
     assert summary["rows"] == summary["badges"] == len(claims)
     assert summary["overflow"] <= 1 and summary["rightmost"] <= summary["width"], summary
+
+
+def test_the_smoke_build_reproduces_the_stored_fingerprint(built, data_regression):
+    """Every recorded value of the smoke build, bit for bit, against book/fingerprints/smoke.yml,
+    so that every machine that runs the tests checks the book's numbers against every other.
+    A deliberate change of numbers regenerates it (`python -m grpo_companion fingerprint smoke`
+    after a smoke build, or `pytest --force-regen`), and its commit says what moved and why."""
+    from grpo_companion.machinery import fingerprint
+
+    project, _, _ = built
+    measured = fingerprint.build_fingerprint(project.build_dir / "results", project.chapters)
+    assert list(measured) == project.chapters
+    data_regression.check(measured, fullpath=fingerprint.stored_path(ROOT, "smoke"))

@@ -109,3 +109,55 @@ def test_run_store_reads_models_functions_and_datasets_by_their_content(tmp_path
     assert run_store(tmp_path, data) == run_store(tmp_path, data.to_dict())
     other = load_gsm8k("test", source="arithmetic", num_examples=2, seed=1)
     assert run_store(tmp_path, other) != run_store(tmp_path, data)
+
+
+WORKERS_THAT_OUTLIVE = """
+import os, sys, time
+import grpo_companion
+from grpo_companion.lm.parallel import map_runs
+
+folder = sys.argv[1]
+
+def run(key):
+    open(os.path.join(folder, f"{key}.pid"), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+map_runs(run, [0, 1], workers=2)
+"""
+
+
+def test_workers_end_when_their_parent_is_killed(tmp_path):
+    """A build killed outright (SIGKILL) takes its seed workers with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(WORKERS_THAT_OUTLIVE)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+        assert len(workers) == 2
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 10
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in workers if alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == []
