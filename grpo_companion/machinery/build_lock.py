@@ -4,7 +4,8 @@ A command that writes into a build folder (`run`, `book`, `html`, `pdf`) holds `
 for its whole run: a second one into the same folder is refused in one line that names the first
 (its process, command and start), rather than overwriting its results in the middle. The lock is
 the operating system's (`filelock`, an advisory lock on `<build>/.lock`), so it ends with its
-process however that ends: a dead run's lock is simply taken over.
+process however that ends: a dead run's lock is simply taken over. A run that wrote nothing into
+a folder it created (bad input, refused before any cell ran) removes the folder again.
 """
 
 import json
@@ -28,6 +29,7 @@ def build_lock(build_dir: Path, command: list[str] | None = None):
     process holds it. `command` (default: this process's arguments) is what a refused run is
     told is running."""
     build_dir = Path(build_dir)
+    created = not build_dir.exists()
     build_dir.mkdir(parents=True, exist_ok=True)
     lock, owner = FileLock(build_dir / ".lock", timeout=0), build_dir / ".lock.owner"
     try:
@@ -48,6 +50,9 @@ def build_lock(build_dir: Path, command: list[str] | None = None):
         yield
     finally:
         owner.unlink(missing_ok=True)
+        if created and [path.name for path in build_dir.iterdir()] == [".lock"]:
+            (build_dir / ".lock").unlink()  # a run refused before it wrote anything leaves none
+            build_dir.rmdir()
         lock.release()
 
 

@@ -74,7 +74,7 @@ COMMANDS = {
         "python -m grpo_companion pdf",
     ),
     "fingerprint": (
-        "store or check the fingerprint of every recorded value of a build",
+        "store or check the fingerprint of a build's values",
         "Write the fingerprint of the build's recorded values (a SHA-256 per chapter over its "
         "values, floats by their exact bits, timings and provenance left out, and each value or "
         "its digest) to book/fingerprints/PROFILE.yml; with --check, compare the build with that "

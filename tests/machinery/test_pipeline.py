@@ -250,7 +250,7 @@ def test_every_command_explains_itself_with_an_example(capsys):
         command_help = capsys.readouterr().out
         assert command_help.startswith(f"usage: python -m grpo_companion {name}")
         assert f"example:\n  {example}" in command_help
-    assert "--profile PROFILE" in command_help or name in ("html", "pdf")
+    assert "--profile PROFILE" in command_help or name in ("html", "pdf", "fingerprint")
 
 
 def test_parse_value_reads_literals_and_falls_back_to_strings():

@@ -36,7 +36,9 @@ def record(**changes) -> dict:
         "parameter_sources": {"seed": "default", "num_repeats": "profile"},
         "seed": 0,
         "versions": {"python": "3.11.7", "torch": "2.5.0", "numpy": "2.1.0"},
-        "torch_threads": 2,
+        "torch_threads": 1,
+        "cpu_capability": "AVX2",
+        "pinning": {"pinned": True, "environment": {"ATEN_CPU_CAPABILITY": "avx2"}},
         "cpu_model": "Some CPU",
         "device": "cpu",
         "gpu_name": None,
@@ -146,15 +148,16 @@ def write_results(build_dir, chapter, provenance):
 
 def test_provenance_markdown_has_a_row_per_chapter_and_flags_a_mixed_build(tmp_path):
     write_results(tmp_path, "01_a", record())
-    write_results(tmp_path, "02_b", record(wall_seconds=61.25, torch_threads=2))
+    write_results(tmp_path, "02_b", record(wall_seconds=61.25, torch_threads=1))
     (tmp_path / "results" / "claims.json").write_text("{}")  # not a chapter: no row
     text = provenance_markdown(tmp_path)
     rows = [line for line in text.splitlines() if line.startswith("| 0")]
     assert rows == [
-        "| 01_a | `aaaaaaa` | no | `smoke` | 0 | 12.5 | 20.2 | 2 | cpu |",
-        "| 02_b | `aaaaaaa` | no | `smoke` | 0 | 61.2 | 20.2 | 2 | cpu |",
+        "| 01_a | `aaaaaaa` | no | `smoke` | 0 | 12.5 | 20.2 | 1 | cpu |",
+        "| 02_b | `aaaaaaa` | no | `smoke` | 0 | 61.2 | 20.2 | 1 | cpu |",
     ]
     assert "Packages: python 3.11.7, numpy 2.1.0, torch 2.5.0. CPU: Some CPU; GPU: none." in text
+    assert "Kernels pinned to the AVX2 code path (`ATEN_CPU_CAPABILITY=avx2`)." in text
     assert "Every chapter ran from the same commit" in text and "differ" not in text
     write_results(tmp_path, "05_c", record(commit="c" * 40))
     text = provenance_markdown(tmp_path)
