@@ -1,0 +1,291 @@
+r"""The micro language model: a decoder of under 100k parameters on a k-step task whose correct
+completion is unique, so that a prompt's pass rate is exact.
+
+The task, a running sum: a prompt is k digits d_1 .. d_k in 0..m-1 (m, the modulus, is the
+difficulty knob), written "3 5 1 8", and the one correct completion is the k running sums
+s_t = (d_1 + ... + d_t) mod m, one worked line each: "3\n8\n9\n7" (m = 10), then the end of
+sequence. The reward is 1 for that completion and 0 for anything else (`reward`), so a prompt's
+pass rate under sampling at temperature tau is exactly
+
+    J(x) = prod_{t=1}^{T} pi_tau(y*_t | x, y*_{<t}),       y* = the correct tokens and <eos>,
+
+one teacher-forced pass (`exact_pass_rates`), with no sampling noise; the degenerate fraction of
+groups of G is exact too, E_x[J(x)^G + (1 - J(x))^G] (`exact_degenerate_fraction`). Only the
+training rollouts are sampled.
+
+The problems have GSM8K's schema (`question`, `answer` = the worked lines then "#### <code>",
+the code a number that spells the running sums), so the book's trainer (`lm.trainer`, the same
+GRPOConfig and losses) trains the model unchanged with `reward` as its reward function. Prompts
+split into train and test by a hash of the digits (`split_of`): a held-out prompt is never
+trained on, whatever the seed; `problems` draws fresh ones from a split, as many as asked.
+
+The model is a transformers `LlamaForCausalLM` (`MicroSpec`: 2 layers, 64 wide, about 85k
+parameters) over a character-level vocabulary; `warm_start` trains it supervised on fresh
+training prompts until the mean exact J of validation prompts reaches a target, which sets the
+starting pass rate.
+"""
+
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass
+
+import datasets
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from grpo_companion.lm.gsm8k import build_prompts
+from grpo_companion.lm.scoring import sequence_log_probs
+
+SPLITS = ("train", "test")
+TEST_SHARE = 0.2  # of all prompts, by hash
+# One token per character. <eos> is the only special token (it pads too): every other token the
+# model can sample shows in the decoded text, "?" (unknown) included, so the decoded completion
+# equals the correct one exactly when the sampled tokens are the correct ones and then <eos>.
+_EOS = "<eos>"
+_VOCAB = [_EOS, *"0123456789", " ", "\n", "=", "?"]
+_TEMPLATE = "{{ messages[-1]['content'] }}={{ '\n' }}"
+
+
+@dataclass(frozen=True)
+class MicroSpec:
+    """The micro model (transformers ``LlamaConfig`` names) and its warm start."""
+
+    num_hidden_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 64
+    warm_start_target: float = 0.3  # mean exact J of the validation prompts to stop at
+    warm_start_max_steps: int = 2000
+    warm_start_batch: int = 32
+    warm_start_learning_rate: float = 3e-3
+    eval_every: int = 10
+    num_validation: int = 256
+    seed: int = 0
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character: digits, space, newline, '=' and '?' (anything else);
+    decode(encode(s)) == s for text made of those."""
+    tokenizer = Tokenizer(WordLevel({t: i for i, t in enumerate(_VOCAB)}, unk_token="?"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        chat_template=_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        eos_token=_EOS,
+        pad_token=_EOS,
+    )
+
+
+def build_model(spec: MicroSpec, tokenizer) -> LlamaForCausalLM:
+    """A randomly initialised micro model, seeded by ``spec.seed``."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config).eval()
+
+
+# --- the task ------------------------------------------------------------------------------
+
+
+def running_sums(digits: list[int], modulus: int) -> list[int]:
+    """s_t = (d_1 + ... + d_t) mod m, t = 1..k."""
+    sums, total = [], 0
+    for digit in digits:
+        total = (total + digit) % modulus
+        sums.append(total)
+    return sums
+
+
+def question(digits: list[int]) -> str:
+    return " ".join(map(str, digits))
+
+
+def solution(digits: list[int], modulus: int) -> str:
+    """The one correct completion: the running sums, one worked line each."""
+    return "\n".join(map(str, running_sums(digits, modulus)))
+
+
+def _code(digits: list[int], modulus: int) -> str:
+    """The gold number that spells the solution: a leading 1, then each sum in its width."""
+    width = len(str(modulus - 1))
+    return "1" + "".join(f"{s:0{width}d}" for s in running_sums(digits, modulus))
+
+
+def decode_gold(gold: str, modulus: int) -> str:
+    """The correct completion from the gold number `_code` wrote."""
+    width = len(str(modulus - 1))
+    body = gold[1:]
+    return "\n".join(str(int(body[i : i + width])) for i in range(0, len(body), width))
+
+
+def reward(completion: str, gold: str, modulus: int = 10) -> float:
+    """1.0 if `completion` (decoded, <eos> dropped) is exactly the correct completion, else 0.0:
+    with `max_completion_length(k)` tokens or more to sample in, that is the event whose
+    probability `exact_pass_rates` computes. The completion is untrusted text: compared, never
+    evaluated."""
+    return float(completion == decode_gold(gold, modulus))
+
+
+def max_completion_length(num_steps: int, modulus: int = 10) -> int:
+    """Tokens of the correct completion and its <eos>: the least room to sample in for which a
+    correct text means correct tokens then <eos> (with less, a run cut short would pass)."""
+    return num_steps * (len(str(modulus - 1)) + 1)
+
+
+def split_of(digits: list[int]) -> str:
+    """'test' for TEST_SHARE of all digit strings (by SHA-256), else 'train': a held-out prompt
+    is never a training prompt, for any seed."""
+    value = int(hashlib.sha256(question(digits).encode()).hexdigest()[:8], 16) / 16**8
+    return "test" if value < TEST_SHARE else "train"
+
+
+def problems(
+    split: str,
+    num_steps: int,
+    num_examples: int,
+    *,
+    modulus: int = 10,
+    seed: int = 0,
+    distinct: bool = False,
+) -> datasets.Dataset:
+    """`num_examples` prompts of `num_steps` digits from `split`, drawn uniformly (with
+    repeats, as fresh draws from the task; `distinct`: without, and all of them if the split
+    holds fewer), GSM8K's schema."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if num_steps < 1 or modulus < 2 or num_examples < 1:
+        raise ValueError(
+            f"need num_steps >= 1, modulus >= 2, num_examples >= 1, got "
+            f"{num_steps}, {modulus}, {num_examples}"
+        )
+    rng = random.Random(f"micro/{split}/{num_steps}/{modulus}/{seed}")
+    if distinct:
+        every = itertools.product(range(modulus), repeat=num_steps)
+        pool = [list(digits) for digits in every if split_of(list(digits)) == split]
+        rng.shuffle(pool)
+        drawn = pool[:num_examples]
+    else:
+        drawn, attempts = [], 0
+        while len(drawn) < num_examples and attempts < 1000 * num_examples:
+            attempts += 1
+            digits = [rng.randrange(modulus) for _ in range(num_steps)]
+            if split_of(digits) == split:
+                drawn.append(digits)
+    if not drawn or (not distinct and len(drawn) < num_examples):
+        raise ValueError(
+            f"the {split} split of {num_steps}-digit prompts mod {modulus} is (nearly) empty: "
+            f"use more steps or a larger modulus"
+        )
+    return datasets.Dataset.from_dict(
+        {
+            "question": [question(d) for d in drawn],
+            "answer": [f"{solution(d, modulus)}\n#### {_code(d, modulus)}" for d in drawn],
+        }
+    )
+
+
+# --- exact measurement ---------------------------------------------------------------------
+
+
+def teacher_forced_batch(tokenizer, data, modulus: int = 10):
+    """(input_ids, attention_mask, completion_mask) of each prompt followed by its correct
+    completion and <eos>: (N, P + T), (N, P + T), (N, T), prompts left-padded."""
+    prompts, golds = build_prompts(tokenizer, data)
+    completions = [decode_gold(gold, modulus) for gold in golds]
+    prompt = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    target = [
+        tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for c in completions
+    ]
+    width_p, width_t = max(map(len, prompt)), max(map(len, target))
+    pad = tokenizer.pad_token_id
+    ids, mask, completion_mask = [], [], []
+    for p, t in zip(prompt, target):
+        ids.append([pad] * (width_p - len(p)) + p + t + [pad] * (width_t - len(t)))
+        mask.append([0] * (width_p - len(p)) + [1] * (len(p) + len(t)) + [0] * (width_t - len(t)))
+        completion_mask.append([1] * len(t) + [0] * (width_t - len(t)))
+    return torch.tensor(ids), torch.tensor(mask), torch.tensor(completion_mask)
+
+
+@torch.no_grad()
+def exact_pass_rates(
+    model, tokenizer, data, *, temperature: float = 1.0, modulus: int = 10, batch_size: int = 512
+) -> torch.Tensor:
+    """(N,) J(x) of each problem: the probability that sampling at `temperature` writes the
+    correct completion and stops, prod_t pi(y*_t | x, y*_<t), float64."""
+    rates = []
+    for start in range(0, len(data), batch_size):
+        rows = data.select(range(start, min(start + batch_size, len(data))))
+        ids, mask, completion_mask = teacher_forced_batch(tokenizer, rows, modulus)
+        log_probs = sequence_log_probs(model, ids, mask, completion_mask, temperature)
+        rates.append(log_probs.double().sum(dim=1).exp())
+    return torch.cat(rates)
+
+
+def exact_degenerate_fraction(pass_rates: torch.Tensor, group_size: int) -> float:
+    """E_x[J^G + (1 - J)^G]: the share of groups of G whose rewards are all equal."""
+    return float((pass_rates**group_size + (1 - pass_rates) ** group_size).mean())
+
+
+# --- the warm start ------------------------------------------------------------------------
+
+
+def warm_start(spec: MicroSpec, num_steps: int, *, modulus: int = 10, progress: bool = False):
+    """(model, tokenizer, report): supervised next-token training on the correct completions
+    of fresh training prompts of `num_steps` digits (AdamW), stopped at the first evaluation
+    (every ``spec.eval_every`` steps) at which the validation prompts' mean exact J reaches
+    ``spec.warm_start_target``. Validation prompts are training-split prompts never trained on
+    (another seed's draws); report: steps, mean J at each evaluation."""
+    from tqdm.auto import tqdm
+
+    tokenizer = build_tokenizer()
+    model = build_model(spec, tokenizer)
+    validation = problems(
+        "train", num_steps, spec.num_validation, modulus=modulus, seed=10_000 + spec.seed
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_learning_rate)
+    curve = [(0, float(exact_pass_rates(model, tokenizer, validation, modulus=modulus).mean()))]
+    step = 0
+    bar = tqdm(total=spec.warm_start_max_steps, desc="micro warm start", disable=not progress)
+    while curve[-1][1] < spec.warm_start_target and step < spec.warm_start_max_steps:
+        step += 1
+        batch = problems(
+            "train",
+            num_steps,
+            spec.warm_start_batch,
+            modulus=modulus,
+            seed=spec.seed * 1_000_003 + step,
+        )
+        ids, mask, completion_mask = teacher_forced_batch(tokenizer, batch, modulus)
+        model.train()
+        loss = -sequence_log_probs(model, ids, mask, completion_mask).sum() / completion_mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.eval()
+        bar.update()
+        if step % spec.eval_every == 0:
+            rates = exact_pass_rates(model, tokenizer, validation, modulus=modulus)
+            curve.append((step, float(rates.mean())))
+    bar.close()
+    return model, tokenizer, {"steps": step, "validation_pass_rate": curve}
+
+
+def num_parameters(model) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
