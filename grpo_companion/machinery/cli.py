@@ -56,7 +56,8 @@ COMMANDS = {
     "book": (
         "execute every chapter, then build the HTML",
         "Execute every chapter of the book under a profile, then render the HTML with Sphinx "
-        "warnings as errors.",
+        "warnings as errors, and say whether every recorded value reproduces the profile's "
+        "stored fingerprint (book/fingerprints/PROFILE.yml).",
         "python -m grpo_companion book --profile smoke",
     ),
     "html": (
@@ -220,6 +221,9 @@ def _command(project: Project, args) -> int:
         html = build_html(project)
         seconds = time.perf_counter() - start
         print(f"built the HTML in {seconds:.1f} s; open {html / 'index.html'}")
+    if args.command == "book" and fingerprint.stored_path(project.root, args.profile).exists():
+        print("\nthe book's numbers, checked against the stored fingerprint:")
+        _fingerprint(project, args.profile, check=True)
     if args.command == "pdf":
         from grpo_companion.machinery.pdf import build_pdf
 
