@@ -5,7 +5,7 @@ VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
 SYSTEM_PYTHON ?= python3
 
-.PHONY: book test pdf setup browser html clean
+.PHONY: book test test-fast pdf setup browser html clean
 
 book: setup
 	$(PYTHON) -m grpo_companion book --profile $(PROFILE)
@@ -14,6 +14,11 @@ test: setup browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PYTHON) -m pytest
+
+# The unit tests alone: no chapter executed, no book built, no browser.
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PYTHON) -m pytest -m "not book"
 
 # One PDF of the built book, _build/pdf/book.pdf, printed page by page by headless Chromium;
 # builds the book first (under PROFILE) when there is no HTML yet.

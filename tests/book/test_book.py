@@ -20,7 +20,7 @@ from grpo_companion.machinery.pipeline import Project, execute_chapter
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
-pytestmark = pytest.mark.book
+pytestmark = [pytest.mark.book, pytest.mark.xdist_group("book")]
 
 
 def _git_status() -> str:

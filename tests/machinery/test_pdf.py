@@ -11,7 +11,7 @@ import pytest
 
 from grpo_companion.machinery.pdf import build_pdf, toc_pages
 
-pytestmark = pytest.mark.book
+pytestmark = [pytest.mark.book, pytest.mark.xdist_group("book")]
 
 
 @pytest.fixture(scope="module")
