@@ -22,6 +22,18 @@ from grpo_companion.core.losses import LOSS_TYPES
 CREDITS = ("outcome", "process", "process_placebo", "process_per_step")
 
 
+# The defaults of `GRPOConfig` that differ from TRL 1.16's in what a step computes: {name: (ours,
+# TRL's)}. tests/lm/test_trl_defaults.py compares every shared field with TRL's own dataclass.
+DEFAULTS_UNLIKE_TRL = {
+    "loss_type": ("grpo", "dapo"),
+    "max_completion_length": (256, 512),
+    "use_bias_correction_kl": (False, True),
+    "vllm_importance_sampling_correction": (False, True),
+}
+# ... and those that only run the run: how long, when to save, the seed.
+RUN_DEFAULTS_UNLIKE_TRL = {"max_steps": (100, -1), "save_steps": (0, 500), "seed": (0, 42)}
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     """GRPO hyper-parameters, with TRL's names where TRL has the setting.
@@ -48,10 +60,13 @@ class GRPOConfig:
     gradient to float32 rounding for about a quarter less work on chapter 11's batches; None pads
     as TRL does.
 
-    The one default that differs from TRL 1.16: ``use_bias_correction_kl`` is False here, True
-    in TRL. It changes the gradient only when beta > 0 (chapter 11 by default) and then only
-    off-policy or once the policy has left the reference; the book keeps False so that its
-    recorded runs stay comparable across editions. Set it to True to match TRL.
+    The defaults that differ from TRL 1.16's in what a step computes (`DEFAULTS_UNLIKE_TRL`,
+    held to TRL's `GRPOConfig` by tests/lm/test_trl_defaults.py): ``loss_type`` "grpo" (TRL
+    "dapo"), ``max_completion_length`` 256 (TRL 512), ``use_bias_correction_kl`` False (TRL
+    True: it changes the gradient only when beta > 0, and then only off-policy or once the policy
+    has left the reference) and ``vllm_importance_sampling_correction`` False (TRL True; there is
+    no vLLM here); besides, the run's ``max_steps``, ``save_steps`` and ``seed``. Set them to
+    TRL's values to match TRL.
 
     ``credit="process"`` is not in TRL, whose advantages are one per sequence: it is
     DeepSeekMath's process supervision (Shao et al. 2024, sec. 4.1.3), each step of the
