@@ -35,6 +35,7 @@ import time
 import numpy as np
 import scipy.stats
 import torch
+from floor import matmul_rate
 
 from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
@@ -110,17 +111,6 @@ def workload_digest(steps: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def matmul_rate(size: int = 2048, repeats: int = 3) -> float:
-    """GFLOP/s of a size x size float32 product, best CPU time of `repeats`."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        a @ b
-        best = min(best, time.process_time() - start)
-    return 2 * size**3 / best / 1e9
-
-
 def step_seconds(repeats: int) -> float:
     """Best CPU seconds of one GRPO step of the book-sized tiny Llama (random weights)."""
     model, tokenizer, _ = warm_start(BOOK_SIZE, progress=False)
@@ -147,7 +137,7 @@ def measure(args) -> dict:
     torch.set_num_threads(1)
     found = {**settings(), "digest": workload_digest(args.steps)}
     if args.timings:
-        found["matmul_gflops"] = matmul_rate()
+        found["matmul_gflops"] = matmul_rate() / 1e9
         found["step_seconds"] = step_seconds(args.repeats)
     return found
 
