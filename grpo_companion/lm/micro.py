@@ -51,7 +51,12 @@ _TEMPLATE = "{{ messages[-1]['content'] }}={{ '\n' }}"
 
 @dataclass(frozen=True)
 class MicroSpec:
-    """The micro model (transformers ``LlamaConfig`` names) and its warm start."""
+    """The micro model (transformers ``LlamaConfig`` names) and its warm start.
+
+    The warm start's learning is a phase change: on 4-digit sums mod 10, at 1e-3 and 64 prompts
+    a step, the validation J stayed at 0 for 400 steps, then passed 0.13 at 450 and 0.5 by 500
+    (17 CPU seconds); at 3e-3 with 128 prompts it was 0.07 after 1500 steps, at 1e-2 it never
+    left 0. Evaluate often (``eval_every``) to stop near the target."""
 
     num_hidden_layers: int = 2
     hidden_size: int = 64
@@ -60,8 +65,8 @@ class MicroSpec:
     max_position_embeddings: int = 64
     warm_start_target: float = 0.3  # mean exact J of the validation prompts to stop at
     warm_start_max_steps: int = 2000
-    warm_start_batch: int = 32
-    warm_start_learning_rate: float = 3e-3
+    warm_start_batch: int = 64
+    warm_start_learning_rate: float = 1e-3
     eval_every: int = 10
     num_validation: int = 256
     seed: int = 0
