@@ -41,7 +41,7 @@ from grpo_companion.lm.config import GRPOConfig
 from grpo_companion.lm.gsm8k import load_gsm8k
 from grpo_companion.lm.tiny_llama import TinyLlamaSpec, warm_start
 from grpo_companion.lm.trainer import train
-from grpo_companion.reproducibility import OPT_OUT, settings
+from grpo_companion.reproducibility import ENVIRONMENT, OPT_OUT, settings
 
 SMALL = TinyLlamaSpec(
     num_hidden_layers=2,
@@ -171,8 +171,10 @@ def main():
             "--repeats",
             str(args.repeats),
         ]
+        # this process pinned its own environment: the unpinned run starts without it
+        base = {k: v for k, v in os.environ.items() if not (extra and k in ENVIRONMENT)}
         output = subprocess.run(
-            command, env={**os.environ, **extra}, check=True, capture_output=True, text=True
+            command, env={**base, **extra}, check=True, capture_output=True, text=True
         ).stdout
         runs[name] = json.loads(output.strip().splitlines()[-1])
         run = runs[name]
