@@ -25,6 +25,7 @@ training prompts until the mean exact J of validation prompts reaches a target, 
 starting pass rate.
 """
 
+import functools
 import hashlib
 import itertools
 import random
@@ -38,6 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.scoring import sequence_log_probs
+from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
 
 SPLITS = ("train", "test")
 TEST_SHARE = 0.2  # of all prompts, by hash
@@ -294,3 +296,41 @@ def warm_start(spec: MicroSpec, num_steps: int, *, modulus: int = 10, progress: 
 
 def num_parameters(model) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+# --- GRPO on fresh prompts -----------------------------------------------------------------
+
+
+def grpo_run(model, tokenizer, config, num_steps: int, test_data, *, modulus: int = 10,
+             eval_every: int | None = None) -> dict:  # fmt: skip
+    """Train `model` in place with the book's trainer (`trainer.grpo_step`, `config` a
+    GRPOConfig) on fresh training prompts of `num_steps` digits, ``per_step_prompts`` new ones
+    a step, drawn with ``config.seed`` (runs of one seed see the same prompts and sampler
+    streams, so arms are paired); measure the exact J of `test_data` (never trained on) at step
+    0, every `eval_every` steps and at the end.
+
+    Returns {"steps": [s, ...], "pass_rate": mean J at each, "degenerate": the exact degenerate
+    fraction of groups of ``num_generations`` at each, "final": (N,) J after the last step}."""
+    fresh = problems("train", num_steps, config.max_steps * config.per_step_prompts,
+                     modulus=modulus, seed=1_000_003 * (config.seed + 1))  # fmt: skip
+    prompts, golds = build_prompts(tokenizer, fresh)
+    answers = list(fresh["answer"])
+    reward_fn = functools.partial(reward, modulus=modulus)
+    reference, optimizer = reference_and_optimizer(model, config)
+    every = eval_every or config.max_steps
+    curve = {"steps": [], "pass_rate": [], "degenerate": []}
+
+    def measure(step):
+        rates = exact_pass_rates(model, tokenizer, test_data, modulus=modulus)
+        curve["steps"].append(step)
+        curve["pass_rate"].append(float(rates.mean()))
+        curve["degenerate"].append(exact_degenerate_fraction(rates, config.num_generations))
+        return rates
+
+    rates = measure(0)
+    for step in range(1, config.max_steps + 1):
+        grpo_step(model, tokenizer, reference, optimizer, prompts, golds, config, step,
+                  reward_fn, answers=answers)  # fmt: skip
+        if step % every == 0 or step == config.max_steps:
+            rates = measure(step)
+    return {**curve, "final": rates}

@@ -223,3 +223,43 @@ def plot_easy_start(table, predicted_change: float, last_step: int) -> plt.Figur
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_micro(tunings: dict, comparisons: dict, arms, reference: str, other: str) -> plt.Figure:
+    """Section 6: for each regime, the tuning (mean validation gain in exact J against the
+    learning rate, each arm's choice circled; a diverging rate is clipped at the bottom) and,
+    last, `other` minus `reference` per confirmation seed in each regime with its mean.
+
+    tunings: regime -> `lm.compare.Tuning`; comparisons: regime -> `lm.compare.compare`'s table.
+    """
+    fig, axes = plt.subplots(1, len(tunings) + 1, figsize=(5 * (len(tunings) + 1), 4))
+    for axis, (regime, tuning) in zip(axes, tunings.items()):
+        means = tuning.table.groupby(["arm", "learning_rate"])[tuning.score].mean()
+        for arm in arms:
+            if arm not in tuning.choice:
+                continue
+            curve = means[arm]
+            line = axis.plot(curve.index, curve.clip(lower=-0.2), marker="o",
+                             label=REMEDY_LABELS.get(arm, arm))[0]  # fmt: skip
+            chosen = tuning.rates[arm]
+            axis.plot([chosen], [max(curve[chosen], -0.2)], "o", markersize=13, fillstyle="none",
+                      color=line.get_color())  # fmt: skip
+        axis.set_xscale("log")
+        axis.axhline(0, color="gray", linewidth=0.8)
+        axis.set_xlabel("learning rate")
+        axis.set_ylabel("mean gain in exact J, validation (tuning seeds)")
+        axis.set_title(f"tuning: {regime} regime")
+        axis.legend(fontsize=8)
+    axis = axes[-1]
+    for position, table in enumerate(comparisons.values()):
+        by_arm = table.pivot_table(index="seed", columns="arm", values="gain")
+        differences = by_arm[other] - by_arm[reference]
+        jitter = np.linspace(-0.15, 0.15, len(differences))
+        axis.plot(position + jitter, differences, "o", alpha=0.6)
+        axis.plot([position - 0.25, position + 0.25], [differences.mean()] * 2, color="black")
+    axis.axhline(0, color="gray", linewidth=0.8)
+    axis.set_xticks(range(len(comparisons)), [f"{regime} regime" for regime in comparisons])
+    axis.set_ylabel(f"{REMEDY_LABELS[other]} - {REMEDY_LABELS[reference]}: gain in exact J, test")
+    axis.set_title("confirmation seeds, paired (bar: mean)")
+    fig.tight_layout()
+    return fig
