@@ -55,27 +55,30 @@ class Tuning:
 
 def tune(run, arms, learning_rates, seeds, *, score: str, start: float | None = None,
          margin: float = 0.0, workers=None, keep=None, progress=False) -> Tuning:  # fmt: skip
-    """Every arm of `arms` at every rate of `learning_rates` (ascending) on every tuning seed;
-    each arm's rate is the one with the highest mean `score` (a tie goes to the lowest rate).
-    "learned" says whether the best mean beat `start` (the score before training) by more than
-    `margin`; None without `start`."""
-    arms, learning_rates, seeds = list(arms), list(learning_rates), list(seeds)
+    """Every arm of `arms` at every rate of its grid on every tuning seed; each arm's rate is
+    the one with the highest mean `score` (a tie goes to the lowest rate). `learning_rates`:
+    one ascending grid for every arm, or a dict arm -> its own. "learned" says whether the best
+    mean beat `start` (the score before training) by more than `margin`; None without `start`."""
+    arms, seeds = list(arms), list(seeds)
     if not arms or not seeds:
         raise ValueError("tune needs at least one arm and one seed")
-    if len(learning_rates) < 3 or sorted(learning_rates) != learning_rates:
-        raise ValueError(
-            f"learning_rates must be ascending with at least 3 rates (an optimum inside the grid "
-            f"needs one on each side), got {learning_rates}"
-        )
-    table = _runs(run, [(arm, rate, seed) for arm in arms for rate in learning_rates
-                        for seed in seeds], workers, keep, progress, "tuning")  # fmt: skip
+    grids = {arm: list(learning_rates[arm] if isinstance(learning_rates, dict) else learning_rates)
+             for arm in arms}  # fmt: skip
+    for arm, grid in grids.items():
+        if len(grid) < 3 or sorted(grid) != grid:
+            raise ValueError(
+                f"{arm}'s learning rates must be ascending with at least 3 rates (an optimum "
+                f"inside the grid needs one on each side), got {grid}"
+            )
+    keys = [(arm, rate, seed) for arm in arms for rate in grids[arm] for seed in seeds]
+    table = _runs(run, keys, workers, keep, progress, "tuning")
     if score not in table:
         raise KeyError(f"the runs return no {score!r}; they return {sorted(table.columns[3:])}")
     means = table.groupby(["arm", "learning_rate"])[score].mean()
     choice = {}
-    for arm in arms:
-        arm_means = [means[arm, rate] for rate in learning_rates]
-        choice[arm] = grid_choice(learning_rates, arm_means, start=start, margin=margin)
+    for arm, grid in grids.items():
+        arm_means = [means[arm, rate] for rate in grid]
+        choice[arm] = grid_choice(grid, arm_means, start=start, margin=margin)
     return Tuning(table, choice, score)
 
 

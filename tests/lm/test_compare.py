@@ -58,6 +58,13 @@ def test_the_comparison_pairs_seeds_and_its_interval_holds_the_true_difference()
     assert effect["high"] - effect["low"] < 0.2 * unpaired
 
 
+def test_each_arm_may_have_its_own_grid():
+    grids = {"a": RATES, "b": [1e-3, 3e-3, 1e-2]}
+    tuning = compare.tune(response, ["a", "b"], grids, [100], score="gain", workers=1)
+    assert tuning.rates == OPTIMA
+    assert sorted(tuning.table.query("arm == 'b'").learning_rate.unique()) == grids["b"]
+
+
 def test_bad_grids_are_refused():
     with pytest.raises(ValueError, match="ascending"):
         compare.tune(response, ["a"], [1e-3, 3e-4, 1e-2], [0], score="gain", workers=1)

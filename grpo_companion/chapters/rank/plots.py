@@ -270,3 +270,45 @@ def plot_accumulated_update(frame: pd.DataFrame, spectra: dict[str, np.ndarray],
         ax.title.set_fontsize("small")
     fig.suptitle(f"{kind}: the accumulated update against each step's gradient (full fine-tuning)")
     return fig
+
+
+def plot_lora_micro(tuning, table: pd.DataFrame, ranks, margin: float) -> Figure:
+    """Section 11: each arm's tuning curve (mean validation gain in exact J against the learning
+    rate, its choice circled), and each adapter's paired difference from full fine-tuning per
+    confirmation seed with its 90% t interval against the margin -delta.
+
+    tuning: `lm.compare.Tuning`; table: `lm.compare.compare`'s rows (arms "full", "r<rank>")."""
+    from grpo_companion.core.stats import mean_interval
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    means = tuning.table.groupby(["arm", "learning_rate"])["gain"].mean()
+    for arm in ["full", *(f"r{rank}" for rank in ranks)]:
+        curve = means[arm]
+        line = left.plot(curve.index, curve.clip(lower=-0.3), marker="o", label=arm)[0]
+        chosen = tuning.rates[arm]
+        left.plot([chosen], [max(curve[chosen], -0.3)], "o", markersize=13, fillstyle="none",
+                  color=line.get_color())  # fmt: skip
+    left.set_xscale("log")
+    left.axhline(0, color="gray", linewidth=0.8)
+    left.set_xlabel("learning rate")
+    left.set_ylabel("mean gain in exact J, validation (tuning seeds)")
+    left.set_title("tuning (a gain below -0.3 is drawn at -0.3)")
+    left.legend(fontsize=8)
+    by_arm = table.pivot_table(index="seed", columns="arm", values="gain")
+    for position, rank in enumerate(ranks):
+        differences = by_arm[f"r{rank}"] - by_arm["full"]
+        jitter = np.linspace(-0.15, 0.15, len(differences))
+        right.plot(position + jitter, differences, "o", alpha=0.5)
+        interval = mean_interval(differences.to_numpy(), 0.90)
+        if interval["low"] is not None:
+            right.errorbar([position + 0.3], [interval["mean"]], color="black", capsize=4,
+                           yerr=[[interval["mean"] - interval["low"]],
+                                 [interval["high"] - interval["mean"]]])  # fmt: skip
+    right.axhline(0, color="gray", linewidth=0.8)
+    right.axhline(-margin, color="tab:red", linestyle="--", label="-delta (non-inferiority margin)")
+    right.set_xticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
+    right.set_ylabel("adapter - full fine-tuning: gain in exact J, test")
+    right.set_title("confirmation seeds, paired (bar: 90% t interval)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
