@@ -19,7 +19,7 @@ from grpo_companion.core.losses import LOSS_TYPES
 
 # One advantage per completion; per token from the steps; the steps' labels shuffled within each
 # group (a placebo); the steps' advantages divided by their number.
-CREDITS = ("outcome", "process", "process_placebo", "process_per_step")
+CREDITS = ("outcome", "process", "process_placebo", "process_per_step", "value")
 
 
 # The defaults of `GRPOConfig` that differ from TRL 1.16's in what a step computes: {name: (ours,
@@ -77,7 +77,9 @@ class GRPOConfig:
     worked steps' rewards within each group (`advantages.shuffle_step_rewards`: the same density
     and multiset of labels, no information); ``"process_per_step"`` gives each token the mean
     instead of the sum of the normalised rewards of the steps still ahead
-    (`advantages.per_step_process_advantages`).
+    (`advantages.per_step_process_advantages`). ``"value"`` gives each token the GAE advantage
+    of a critic learned from outcome rewards only (`critic.Critic`, which `trainer.grpo_step`
+    then takes): credit without step labels.
 
     A sampler that is not the policy (TRL's vLLM importance sampling, chapter 13): ``top_p < 1``
     samples from the renormalised nucleus while the loss differentiates the full softmax, as TRL

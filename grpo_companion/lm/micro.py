@@ -25,6 +25,7 @@ training prompts until the mean exact J of validation prompts reaches a target, 
 starting pass rate.
 """
 
+import copy
 import functools
 import hashlib
 import itertools
@@ -37,6 +38,8 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from grpo_companion.lm.config import GRPOConfig
+from grpo_companion.lm.critic import Critic
 from grpo_companion.lm.gsm8k import build_prompts
 from grpo_companion.lm.scoring import sequence_log_probs
 from grpo_companion.lm.trainer import grpo_step, reference_and_optimizer
@@ -147,6 +150,29 @@ def reward(completion: str, gold: str, modulus: int = 10) -> float:
     probability `exact_pass_rates` computes. The completion is untrusted text: compared, never
     evaluated."""
     return float(completion == decode_gold(gold, modulus))
+
+
+def written_steps(completion: str, answer_field: str) -> tuple[list[float], list[int], int]:
+    """The task's steps for process credit (`steps.rollout_step_rewards`' ``steps_of``): step j
+    is right when the completion's j-th line is the j-th running sum. Returns (rewards: the k
+    steps' then the outcome's, `reward`; ends: the character offset after each step's line,
+    ``len(completion)`` for a step never written and for the outcome; written: lines written,
+    at most k). The completion is untrusted text: split and compared, never evaluated."""
+    body = answer_field.rpartition("\n#### ")[0]
+    reference = body.split("\n")
+    lines = completion.split("\n") if completion else []
+    rewards, ends, offset = [], [], 0
+    for j, step in enumerate(reference):
+        if j < len(lines):
+            rewards.append(float(lines[j] == step))
+            ends.append(offset + len(lines[j]))
+            offset += len(lines[j]) + 1
+        else:
+            rewards.append(0.0)
+            ends.append(len(completion))
+    rewards.append(float(completion == body))
+    ends.append(len(completion))
+    return rewards, ends, min(len(lines), len(reference))
 
 
 def max_completion_length(num_steps: int, modulus: int = 10) -> int:
@@ -302,12 +328,15 @@ def num_parameters(model) -> int:
 
 
 def grpo_run(model, tokenizer, config, num_steps: int, test_data, *, modulus: int = 10,
-             eval_every: int | None = None) -> dict:  # fmt: skip
+             eval_every: int | None = None, critic_learning_rate: float = 1e-3,
+             critic_lambda: float = 0.95) -> dict:  # fmt: skip
     """Train `model` in place with the book's trainer (`trainer.grpo_step`, `config` a
     GRPOConfig) on fresh training prompts of `num_steps` digits, ``per_step_prompts`` new ones
     a step, drawn with ``config.seed`` (runs of one seed see the same prompts and sampler
     streams, so arms are paired); measure the exact J of `test_data` (never trained on) at step
-    0, every `eval_every` steps and at the end.
+    0, every `eval_every` steps and at the end. Process credit reads the lines as steps
+    (`written_steps`); ``credit="value"`` learns a critic from the outcomes (`critic.Critic`,
+    its own Adam at `critic_learning_rate`, GAE's `critic_lambda`).
 
     Returns {"steps": [s, ...], "pass_rate": mean J at each, "degenerate": the exact degenerate
     fraction of groups of ``num_generations`` at each, "final": (N,) J after the last step}."""
@@ -317,6 +346,9 @@ def grpo_run(model, tokenizer, config, num_steps: int, test_data, *, modulus: in
     answers = list(fresh["answer"])
     reward_fn = functools.partial(reward, modulus=modulus)
     reference, optimizer = reference_and_optimizer(model, config)
+    critic = None
+    if config.credit == "value":
+        critic = Critic(model, learning_rate=critic_learning_rate, lam=critic_lambda)
     every = eval_every or config.max_steps
     curve = {"steps": [], "pass_rate": [], "degenerate": []}
 
@@ -330,7 +362,66 @@ def grpo_run(model, tokenizer, config, num_steps: int, test_data, *, modulus: in
     rates = measure(0)
     for step in range(1, config.max_steps + 1):
         grpo_step(model, tokenizer, reference, optimizer, prompts, golds, config, step,
-                  reward_fn, answers=answers)  # fmt: skip
+                  reward_fn, answers=answers, steps_of=written_steps, critic=critic)  # fmt: skip
         if step % every == 0 or step == config.max_steps:
             rates = measure(step)
     return {**curve, "final": rates}
+
+
+# --- a warm start with its held-out prompts, and arms trained from it ----------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """A warm start and its held-out prompts: `validation` for tuning, `test` for comparing,
+    both test-split prompts no run trains on; pass_rates: (N,) exact J of the test prompts."""
+
+    spec: MicroSpec
+    num_steps: int
+    modulus: int
+    state: dict
+    validation: datasets.Dataset
+    test: datasets.Dataset
+    pass_rates: torch.Tensor
+    warm_start_steps: int
+
+
+def held_out_start(spec: MicroSpec, num_steps: int, num_held_out: int, *,
+                   modulus: int = 10) -> Start:  # fmt: skip
+    """`warm_start` to ``spec.warm_start_target``, and 2 x `num_held_out` distinct test-split
+    prompts: the first half validates, the second half tests."""
+    model, tokenizer, report = warm_start(spec, num_steps, modulus=modulus)
+    held_out = problems("test", num_steps, 2 * num_held_out, modulus=modulus, seed=spec.seed,
+                        distinct=True)  # fmt: skip
+    if len(held_out) < 2 * num_held_out:
+        raise ValueError(
+            f"the test split of {num_steps}-digit prompts mod {modulus} holds {len(held_out)} "
+            f"prompts, fewer than 2 x {num_held_out}: use more steps or fewer held-out prompts"
+        )
+    validation = held_out.select(range(num_held_out))
+    test = held_out.select(range(num_held_out, 2 * num_held_out))
+    rates = exact_pass_rates(model, tokenizer, test, modulus=modulus)
+    state = copy.deepcopy(model.state_dict())
+    return Start(spec, num_steps, modulus, state, validation, test, rates, report["steps"])
+
+
+def arm_runner(start: Start, grpo: dict, arms: dict, measure: str, **options):
+    """run(arm, learning_rate, seed) for `lm.compare`: one `grpo_run` of the arm (`arms`: name ->
+    GRPOConfig overrides over `grpo`) from the start's weights, measured exactly on its
+    `measure` prompts ("validation" or "test"); `options`: `grpo_run`'s. Returns {"start",
+    "final", "gain"} in mean J and {"degenerate_start", "degenerate_final",
+    "degenerate_change"}."""
+    data = {"validation": start.validation, "test": start.test}[measure]
+    tokenizer = build_tokenizer()
+
+    def run(arm: str, learning_rate: float, seed: int) -> dict:
+        model = build_model(start.spec, tokenizer)
+        model.load_state_dict(start.state)
+        config = GRPOConfig(**{**grpo, **arms[arm], "learning_rate": learning_rate, "seed": seed})
+        curve = grpo_run(model, tokenizer, config, start.num_steps, data, modulus=start.modulus,
+                         **options)  # fmt: skip
+        (first, last), (d_first, d_last) = curve["pass_rate"], curve["degenerate"]
+        return {"start": first, "final": last, "gain": last - first, "degenerate_start": d_first,
+                "degenerate_final": d_last, "degenerate_change": d_last - d_first}  # fmt: skip
+
+    return run

@@ -21,6 +21,7 @@ search of `gsm8k.reward`), so a megabyte of junk costs no more than a normal ans
 batch of rollouts' step rewards as the tensors `advantages.process_advantages` takes.
 """
 
+import functools
 import re
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -135,19 +136,29 @@ def step_token_ends(tokenizer, completion_ids: list[int], char_ends: list[int]) 
     return [bisect_right(lengths, min(end, lengths[-1]) - 1) if end > 0 else 0 for end in char_ends]
 
 
+def written_steps(completion: str, answer_field: str, mode: str = "strict"):
+    """`step_rewards` of a completion, and how many of its steps it wrote (worked lines, at most
+    the reference's): the function of `rollout_step_rewards`' ``steps_of``."""
+    rewards, ends = step_rewards(completion, answer_field, mode)
+    return rewards, ends, min(len(worked_lines(completion)), len(rewards) - 1)
+
+
 def rollout_step_rewards(
-    tokenizer, rollouts, answers: list[str], mode: str = "strict"
+    tokenizer, rollouts, answers: list[str], mode: str = "strict", steps_of=None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Step rewards of a batch of rollouts, for `advantages.process_advantages`.
 
     rollouts: `rollouts.Rollouts` of B prompts and G completions each; answers: B reference
-    answer fields, one per prompt. A written step sits on the token of its line's last
-    character (`step_token_ends`); a step never written on the completion's last token (its EOS,
-    if any): the end of the completion. The final step's reward is the rollout's own reward
-    (``rollouts.rewards``, the trainer's reward_fn), and it too sits on the last token rather
-    than on the end of the answer line: the end of the episode is where an outcome reward is
-    given, so the tokens after the answer (the EOS) get the outcome's credit as under outcome
-    GRPO, and with no worked steps process credit is outcome credit exactly.
+    answer fields, one per prompt. steps_of: ``steps_of(completion, answer) -> (rewards, ends,
+    written)`` as `written_steps` (the default, the arithmetic problems' worked lines), for a
+    task whose steps are written otherwise (`micro.written_steps`). A written step sits on the
+    token of its line's last character (`step_token_ends`); a step never written on the
+    completion's last token (its EOS, if any): the end of the completion. The final step's
+    reward is the rollout's own reward (``rollouts.rewards``, the trainer's reward_fn), and it
+    too sits on the last token rather than on the end of the answer line: the end of the
+    episode is where an outcome reward is given, so the tokens after the answer (the EOS) get
+    the outcome's credit as under outcome GRPO, and with no worked steps process credit is
+    outcome credit exactly.
 
     Returns:
         step_rewards (B, G, S) float, step_ends (B, G, S) long token index, step_mask
@@ -157,21 +168,22 @@ def rollout_step_rewards(
     num_prompts, group_size = rollouts.rewards.shape
     if len(answers) != num_prompts:
         raise ValueError(f"need one answer per prompt: {num_prompts}, got {len(answers)}")
+    if steps_of is None:
+        steps_of = functools.partial(written_steps, mode=mode)
     per_rollout = [
-        step_rewards(text, answers[i // group_size], mode) for i, text in enumerate(rollouts.texts)
+        steps_of(text, answers[i // group_size]) for i, text in enumerate(rollouts.texts)
     ]
-    num_steps = max(len(rewards) for rewards, _ in per_rollout)
+    num_steps = max(len(rewards) for rewards, _, _ in per_rollout)
     shape = (num_prompts * group_size, num_steps)
     device = rollouts.rewards.device
     rewards = torch.zeros(shape, dtype=rollouts.rewards.dtype, device=device)
     ends = torch.zeros(shape, dtype=torch.long, device=device)
     mask = torch.zeros(shape, dtype=torch.bool, device=device)
     outcomes = rollouts.rewards.flatten()
-    for i, (step_values, char_ends) in enumerate(per_rollout):
+    for i, (step_values, char_ends, written) in enumerate(per_rollout):
         length = int(rollouts.lengths[i])
         ids = rollouts.completion_ids[i, :length].tolist()
         n = len(step_values)
-        written = min(len(worked_lines(rollouts.texts[i])), n - 1)
         positions = step_token_ends(tokenizer, ids, char_ends[:written])
         positions += [length - 1] * (n - written)  # the steps never written, then the outcome
         rewards[i, :n] = torch.tensor(step_values[:-1] + [0.0], dtype=rewards.dtype)

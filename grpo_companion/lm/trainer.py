@@ -211,11 +211,14 @@ def reference_and_optimizer(model, config: GRPOConfig):
 
 def grpo_step(
     model, tokenizer, reference, optimizer, prompts, golds, config: GRPOConfig, step: int,
-    reward_fn, *, answers: list[str] | None = None,
+    reward_fn, *, answers: list[str] | None = None, steps_of=None, critic=None,
 ) -> dict:  # fmt: skip
     """Sample, score and learn from one batch of rollouts; returns the step's record.
 
     answers: each prompt's answer field (worked lines, then ``#### N``), for credit="process".
+    steps_of: how a task's completions write their steps (`steps.rollout_step_rewards`; None:
+    the arithmetic problems' worked lines). critic: for credit="value", a `critic.Critic` that
+    gives each token its advantage and learns from the batch's outcomes.
 
     With several micro-batches per update, "kl", "entropy" and "clip_ratio/*" are token-weighted
     means over the batch, where TRL logs the plain mean of the micro-batches' token means (its
@@ -244,10 +247,15 @@ def grpo_step(
 
     # 2. One advantage per completion, from the rewards of its own group: (B, G) -> (B * G,);
     # or, with process credit, one per token from the group's step rewards: (B * G, T).
-    if config.credit != "outcome":
+    if config.credit == "value":
+        if critic is None:
+            raise ValueError("credit='value' needs a critic (lm.critic.Critic)")
+        advantages = critic.advantages(rollouts)
+    elif config.credit != "outcome":
         if answers is None:
             raise ValueError(f"credit={config.credit!r} needs the answers of the prompts")
-        steps, ends, mask = rollout_step_rewards(tokenizer, rollouts, [answers[i] for i in rows])
+        steps, ends, mask = rollout_step_rewards(tokenizer, rollouts, [answers[i] for i in rows],
+                                                 steps_of=steps_of)  # fmt: skip
         if config.credit == "process_placebo":
             shuffle = torch.Generator(steps.device).manual_seed(rollout_seed(config.seed, step))
             steps = shuffle_step_rewards(steps, mask, shuffle)

@@ -115,3 +115,40 @@ def test_the_books_trainer_trains_it_unchanged(warm):
                     reward_fn=functools.partial(micro.reward, modulus=3))  # fmt: skip
     assert len(history) >= 3
     assert any(not torch.equal(a, b) for a, b in zip(policy.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("completion", "rewards", "ends", "written"),
+    [
+        ("3\n8\n9\n7", [1, 1, 1, 1, 1], [1, 3, 5, 7, 7], 4),
+        ("3\n8\n0\n7", [1, 1, 0, 1, 0], [1, 3, 5, 7, 7], 4),
+        ("3\n8", [1, 1, 0, 0, 0], [1, 3, 3, 3, 3], 2),
+        ("", [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], 0),
+        ("3\n8\n9\n7\n1", [1, 1, 1, 1, 0], [1, 3, 5, 7, 9], 4),
+    ],
+)
+def test_the_steps_of_process_credit_by_hand(completion, rewards, ends, written):
+    answer = "3\n8\n9\n7\n#### 13897"
+    assert micro.written_steps(completion, answer) == (rewards, ends, written)
+
+
+def test_process_credit_puts_each_step_on_its_lines_last_token():
+    tokenizer = micro.build_tokenizer()
+    model = micro.build_model(micro.MicroSpec(), tokenizer)
+    data = micro.problems("train", 3, 2, seed=1)
+    prompts, golds = build_prompts(tokenizer, data)
+    rollouts = generate_rollouts(model, tokenizer, prompts, golds, num_generations=4,
+                                 max_completion_length=6, seed=0, compute_log_probs=False,
+                                 reward_fn=micro.reward)  # fmt: skip
+    from grpo_companion.lm.steps import rollout_step_rewards
+
+    answers = list(data["answer"])
+    steps, ends, mask = rollout_step_rewards(tokenizer, rollouts, answers,
+                                             steps_of=micro.written_steps)  # fmt: skip
+    for i, text in enumerate(rollouts.texts):
+        rewards, char_ends, written = micro.written_steps(text, answers[i // 4])
+        row = steps.view(-1, steps.shape[-1])[i]
+        assert row[:-1].tolist() == rewards[:-1]
+        positions = ends.view(-1, ends.shape[-1])[i][:written]
+        # One token a character: a line's last character is token end - 1.
+        assert positions.tolist() == [max(end - 1, 0) for end in char_ends[:written]]

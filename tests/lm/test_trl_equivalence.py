@@ -675,3 +675,25 @@ def test_multi_objective_aggregation_equals_gdpo_and_group_advantages(
     # GDPO gives the all-equal third group (fixed rewards 1) advantages from its lengths alone,
     # normalised within the group to the scale of the other reward.
     assert ours[2].abs().max() > 0.5
+
+
+# --- the micro model (lm/micro.py): the same step as TRL's on its own tokenizer --------------
+
+MICRO_CASES = [Case(), Case(loss_type="dr_grpo"), Case(num_iterations=2), Case(beta=0.04, steps=2)]
+
+
+@pytest.fixture(scope="module")
+def micro_results(tmp_path_factory):
+    from grpo_companion.lm import micro
+
+    tokenizer = micro.build_tokenizer()
+    model = micro.build_model(micro.MicroSpec(), tokenizer)
+    return memoised_results(run_trl, run_ours, (model, tokenizer), tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.id) for case in MICRO_CASES])
+def test_the_micro_models_step_equals_trl(case, micro_results):
+    theirs, ours = micro_results(case)
+    assert (theirs.advantages - ours.advantages).abs().max().item() <= ATOL
+    assert abs(theirs.loss - ours.loss) <= ATOL
+    assert max_grad_difference(theirs, ours) <= ATOL

@@ -18,23 +18,25 @@ from grpo_companion.lm.compare import paired_differences
 from grpo_companion.lm.config import GRPOConfig
 
 
-def lora_runner(state: dict, spec: micro.MicroSpec, grpo: dict, alpha: float, num_steps: int,
-                data, *, modulus: int = 10):  # fmt: skip
+def lora_runner(start: micro.Start, grpo: dict, alpha: float, measure: str):
     """run(arm, learning_rate, seed) for `lm.compare`: arm "full" or "r<rank>" (`arm_name`),
-    trained from `state` with `grpo` (GRPOConfig fields) and measured exactly on `data`.
-    Returns {"start", "final", "gain"} in mean J, and "parameters" trained."""
+    trained from the start's weights with `grpo` (GRPOConfig fields) and measured exactly on its
+    `measure` prompts ("validation" or "test"). Returns {"start", "final", "gain"} in mean J,
+    and "parameters" trained."""
+    data = {"validation": start.validation, "test": start.test}[measure]
     tokenizer = micro.build_tokenizer()
 
     def run(arm: str, learning_rate: float, seed: int) -> dict:
-        model = micro.build_model(spec, tokenizer)
-        model.load_state_dict(state)
+        model = micro.build_model(start.spec, tokenizer)
+        model.load_state_dict(start.state)
         if arm != arm_name(0):
             model = add_adapters(model, int(arm[1:]), alpha, seed)
         config = GRPOConfig(**{**grpo, "learning_rate": learning_rate, "seed": seed})
-        curve = micro.grpo_run(model, tokenizer, config, num_steps, data, modulus=modulus)
-        start, final = curve["pass_rate"][0], curve["pass_rate"][-1]
+        curve = micro.grpo_run(model, tokenizer, config, start.num_steps, data,
+                               modulus=start.modulus)  # fmt: skip
+        first, last = curve["pass_rate"][0], curve["pass_rate"][-1]
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return {"start": start, "final": final, "gain": final - start, "parameters": trained}
+        return {"start": first, "final": last, "gain": last - first, "parameters": trained}
 
     return run
 

@@ -2,9 +2,9 @@ r"""Chapter 6, section 6: Sign against Dr. GRPO at G = 4, and sparsity over trai
 the micro model (`lm.micro`), whose pass rates are exact.
 
 A regime is a warm start of the micro model to a chosen mean pass rate on k-step running sums
-(`warm_regime`), with held-out prompts split into validation (the tuning's measure) and test
-(the comparison's): exact J, no sampling noise in any measurement. Every arm trains from the
-same weights on fresh training prompts (`lm.micro.grpo_run`), tuned and compared by
+(`lm.micro.held_out_start`), with held-out prompts split into validation (the tuning's measure)
+and test (the comparison's): exact J, no sampling noise in any measurement. Every arm trains
+from the same weights on fresh training prompts (`lm.micro.arm_runner`), tuned and compared by
 `lm.compare`. The regime is read before any training: the all-correct share of groups of G is
 E_x[J(x)^G] over the test prompts, exactly (`start_shares`).
 
@@ -13,49 +13,12 @@ from the test prompts' own starting pass rates (no fitted Beta) until their mean
 what the pilot's GRPO runs gained on the validation prompts: fixed before any confirmatory run.
 """
 
-import copy
-from dataclasses import dataclass
-
-import datasets
 import numpy as np
 import torch
 
 from grpo_companion.chapters.sparsity.flow import flow_to_pass_rate, predicted_change
 from grpo_companion.core.stats import mean_interval
-from grpo_companion.lm import micro
 from grpo_companion.lm.compare import paired_effect
-from grpo_companion.lm.config import GRPOConfig
-
-
-@dataclass(frozen=True)
-class Regime:
-    """A warm start and its held-out prompts. start: (N,) exact J of the test prompts."""
-
-    name: str
-    state: dict
-    validation: datasets.Dataset
-    test: datasets.Dataset
-    start: torch.Tensor
-    warm_start_steps: int
-
-
-def warm_regime(name: str, spec: micro.MicroSpec, num_steps: int, num_held_out: int, *,
-                modulus: int = 10) -> Regime:  # fmt: skip
-    """Warm-start the micro model to ``spec.warm_start_target`` and draw 2 x `num_held_out`
-    distinct test-split prompts: the first half validates, the second half tests."""
-    model, tokenizer, report = micro.warm_start(spec, num_steps, modulus=modulus)
-    held_out = micro.problems("test", num_steps, 2 * num_held_out, modulus=modulus,
-                              seed=spec.seed, distinct=True)  # fmt: skip
-    if len(held_out) < 2 * num_held_out:
-        raise ValueError(
-            f"the test split of {num_steps}-digit prompts mod {modulus} holds {len(held_out)} "
-            f"prompts, fewer than 2 x {num_held_out}: use more steps or fewer held-out prompts"
-        )
-    validation = held_out.select(range(num_held_out))
-    test = held_out.select(range(num_held_out, 2 * num_held_out))
-    start = micro.exact_pass_rates(model, tokenizer, test, modulus=modulus)
-    state = copy.deepcopy(model.state_dict())
-    return Regime(name, state, validation, test, start, report["steps"])
 
 
 def start_shares(pass_rates: torch.Tensor, group_size: int) -> dict:
@@ -66,27 +29,6 @@ def start_shares(pass_rates: torch.Tensor, group_size: int) -> dict:
     all_wrong = float(((1 - rates) ** group_size).mean())
     return {"pass_rate": float(rates.mean()), "all_correct": all_correct,
             "all_wrong": all_wrong, "degenerate": all_correct + all_wrong}  # fmt: skip
-
-
-def arm_runner(regime: Regime, spec: micro.MicroSpec, grpo: dict, arms: dict, num_steps: int,
-               measure: str, *, modulus: int = 10):  # fmt: skip
-    """run(arm, learning_rate, seed) for `lm.compare`: one GRPO run of the arm (`arms`: name ->
-    GRPOConfig overrides over `grpo`) from the regime's weights, measured exactly on its
-    `measure` prompts ("validation" or "test"). Returns {"start", "final", "gain",
-    "degenerate_start", "degenerate_final", "degenerate_change"}."""
-    data = {"validation": regime.validation, "test": regime.test}[measure]
-    tokenizer = micro.build_tokenizer()
-
-    def run(arm: str, learning_rate: float, seed: int) -> dict:
-        model = micro.build_model(spec, tokenizer)
-        model.load_state_dict(regime.state)
-        config = GRPOConfig(**{**grpo, **arms[arm], "learning_rate": learning_rate, "seed": seed})
-        curve = micro.grpo_run(model, tokenizer, config, num_steps, data, modulus=modulus)
-        (start, final), (d_start, d_final) = curve["pass_rate"], curve["degenerate"]
-        return {"start": start, "final": final, "gain": final - start, "degenerate_start": d_start,
-                "degenerate_final": d_final, "degenerate_change": d_final - d_start}  # fmt: skip
-
-    return run
 
 
 def flow_prediction(start, group_size: int, gain: float, sharings, *, step_size: float,
