@@ -44,12 +44,23 @@ def slope_interval(gains: pd.DataFrame, arm: str, reference: str = REFERENCE) ->
 
 
 def plan(pilot: pd.DataFrame, arm: str, max_seeds: int, min_seeds: int = 3) -> dict:
-    """Power before seeds, from the pilot's slopes (the tuning seeds at each (k, arm)'s chosen
-    rate): predicted slope, its per-seed SD, seeds for 80% power (`seeds_for_power`), and the
-    seeds to run within [min_seeds, max_seeds]."""
-    slope = slope_interval(pilot, arm)
-    predicted, sd = slope["mean"], slope["sd"]
-    known = np.isfinite(sd) and predicted is not None and predicted != 0
+    """Power before seeds, from the pilot alone (the tuning seeds at each (k, arm)'s chosen
+    rate): the predicted slope (the pilot's mean slope), its per-seed SD and the seeds for 80%
+    power (`seeds_for_power`), run within [min_seeds, max_seeds]. The SD pools the paired
+    differences' variance over the k (one degree of freedom per seed and k, less one per k)
+    and carries it through the slope's weights: sd_slope = sd_d sqrt(sum_k w_k^2), w_k =
+    (k - mean k) / sum (k - mean k)^2, for a few pilot seeds a steadier SD than the slopes'
+    own."""
+    by = pilot.pivot_table(index=["seed", "k"], columns="arm", values="gain")
+    differences = (by[arm] - by[REFERENCE]).unstack("k").dropna()
+    ks = differences.columns.to_numpy(dtype=float)
+    weights = (ks - ks.mean()) / ((ks - ks.mean()) ** 2).sum()
+    degrees = len(differences) - 1
+    pooled = float(np.sqrt(differences.var(ddof=1).mean())) if degrees > 0 else float("nan")
+    sd = pooled * float(np.sqrt((weights**2).sum()))
+    slopes = differences.to_numpy() @ weights
+    predicted = float(slopes.mean()) if len(slopes) else float("nan")
+    known = np.isfinite(sd) and np.isfinite(predicted) and predicted != 0
     needed = seeds_for_power(sd, predicted) if known else max_seeds + 1
     return {"predicted": predicted, "sd": sd, "needed": needed,
             "run": int(min(max(needed, min_seeds), max_seeds))}  # fmt: skip

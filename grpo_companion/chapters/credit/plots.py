@@ -276,3 +276,45 @@ def plot_chain_rollouts(records: dict) -> plt.Figure:
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+MICRO_LABELS = {
+    "outcome": "outcome GRPO",
+    "process": "process (step labels)",
+    "process_placebo": "placebo (labels shuffled)",
+    "value": "critic from outcomes",
+}
+
+
+def plot_micro_credit(gains: pd.DataFrame, slopes: dict) -> plt.Figure:
+    """Section 7: each arm's gain in exact test J against k (mean and 95% t interval over
+    seeds), and each arm's per-seed slope over k of its paired difference from outcome GRPO.
+
+    gains: one row per run with "k", "arm", "seed", "gain"; slopes: arm -> per-seed slopes."""
+    from grpo_companion.core.stats import mean_interval
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for arm, label in MICRO_LABELS.items():
+        rows = gains[gains["arm"] == arm]
+        ks = sorted(rows["k"].unique())
+        intervals = [mean_interval(rows.loc[rows["k"] == k, "gain"].to_numpy()) for k in ks]
+        means = [interval["mean"] for interval in intervals]
+        line = left.plot(ks, means, marker="o", label=label)[0]
+        if all(interval["low"] is not None for interval in intervals):
+            left.fill_between(ks, [i["low"] for i in intervals], [i["high"] for i in intervals],
+                              color=line.get_color(), alpha=0.15)  # fmt: skip
+    left.axhline(0, color="gray", linewidth=0.8)
+    left.set_xlabel("k, steps per problem")
+    left.set_ylabel("gain in exact test J (95% t band over seeds)")
+    left.set_title("each arm at its own tuned rate, same rollouts")
+    left.legend(fontsize=8)
+    for position, values in enumerate(slopes.values()):
+        jitter = np.linspace(-0.15, 0.15, len(values))
+        right.plot(position + jitter, values, "o", alpha=0.6)
+        right.plot([position - 0.25, position + 0.25], [np.mean(values)] * 2, color="black")
+    right.axhline(0, color="gray", linewidth=0.8)
+    right.set_xticks(range(len(slopes)), [MICRO_LABELS[arm] for arm in slopes], fontsize=8)
+    right.set_ylabel("slope over k of (arm - outcome GRPO), per seed")
+    right.set_title("the arm x k interaction (bar: mean)")
+    fig.tight_layout()
+    return fig
