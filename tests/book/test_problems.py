@@ -301,10 +301,10 @@ def test_12_problem_2_a_reference_arm_that_did_not_learn_gates_the_contradiction
               "dr_grpo_accuracy_gain_low": -0.02, "sign_minus_dr_grpo": -0.025,
               "sign_minus_dr_grpo_low": -0.04, "sign_minus_dr_grpo_high": -0.01,
               "predicted_sign_minus_dr_grpo": 0.05}  # fmt: skip
-    gated = judge(claim, {"values": values, "profile": "cpu"})
+    gated = judge(claim, {"values": values, "profile": "gpu"})  # a gpu-profile row
     assert gated["verdict"] == INCONCLUSIVE and "gate learned" in gated["reason"]
     # the contradicted check alone holds: what the gate keeps from counting
     assert all(row["passed"] for row in gated["checks"]["contradicted"])
     learned_values = values | {"dr_grpo_accuracy_gain_low": 0.01}
-    learned = judge(claim, {"values": learned_values, "profile": "cpu"})
+    learned = judge(claim, {"values": learned_values, "profile": "gpu"})
     assert learned["verdict"] == NOT_REPRODUCED

@@ -5,10 +5,10 @@ Every arm trains from one warm start of the micro model with GRPO on fresh promp
 (`lm.micro.grpo_run`), full fine-tuning or adapters on every projection (`lora.add_adapters`),
 each at its own rate tuned by `lm.compare` on pilot seeds. The claim "rank 2 reaches full
 fine-tuning's gain" is an "about the same" claim, so it gets a margin stated before the
-confirmation: delta = `margin_share` x the pilot's full fine-tuning gain in exact validation J
+confirmation: M = `margin_share` x the pilot's full fine-tuning gain in exact validation J
 (`non_inferiority_margin`). An adapter is non-inferior when the one-sided 95% lower bound of
 its paired difference from full fine-tuning (the two-sided 90% t interval's lower end) lies
-above -delta, and measurably inferior when the one-sided upper bound lies below -delta.
+above -M, and measurably inferior when the one-sided upper bound lies below -M.
 """
 
 from grpo_companion.chapters.rank.lora import add_adapters, arm_name, seeds_for_margin
@@ -42,7 +42,7 @@ def lora_runner(start: micro.Start, grpo: dict, alpha: float, measure: str):
 
 
 def non_inferiority_margin(pilot, margin_share: float) -> dict:
-    """delta = `margin_share` x full fine-tuning's mean gain on the pilot (its tuning runs at
+    """M = `margin_share` x full fine-tuning's mean gain on the pilot (its tuning runs at
     the chosen rate): {"full_gain", "margin"}; the margin is 0 when full fine-tuning gained
     nothing (no gain to be inferior to)."""
     full_gain = float(pilot.loc[pilot["arm"] == arm_name(0), "gain"].mean())

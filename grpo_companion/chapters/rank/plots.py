@@ -275,7 +275,7 @@ def plot_accumulated_update(frame: pd.DataFrame, spectra: dict[str, np.ndarray],
 def plot_lora_micro(tuning, table: pd.DataFrame, ranks, margin: float) -> Figure:
     """Section 11: each arm's tuning curve (mean validation gain in exact J against the learning
     rate, its choice circled), and each adapter's paired difference from full fine-tuning per
-    confirmation seed with its 90% t interval against the margin -delta.
+    confirmation seed with its 90% t interval against the margin -M.
 
     tuning: `lm.compare.Tuning`; table: `lm.compare.compare`'s rows (arms "full", "r<rank>")."""
     from grpo_companion.core.stats import mean_interval
@@ -305,7 +305,7 @@ def plot_lora_micro(tuning, table: pd.DataFrame, ranks, margin: float) -> Figure
                            yerr=[[interval["mean"] - interval["low"]],
                                  [interval["high"] - interval["mean"]]])  # fmt: skip
     right.axhline(0, color="gray", linewidth=0.8)
-    right.axhline(-margin, color="tab:red", linestyle="--", label="-delta (non-inferiority margin)")
+    right.axhline(-margin, color="tab:red", linestyle="--", label="-M (non-inferiority margin)")
     right.set_xticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
     right.set_ylabel("adapter - full fine-tuning: gain in exact J, test")
     right.set_title("confirmation seeds, paired (bar: 90% t interval)")
