@@ -17,8 +17,8 @@ functions on logits: a temperature (divide the logits), `top_p_log_probs` (vLLM'
 transformers' nucleus, renormalised) and `round_logits` (a bf16-like rounding of the logits).
 
 The ratio of the trainer's own loss, rho = pi / pi_old against the policy that sampled the batch,
-per token or GSPO's per sequence, is `log_importance_weights` (chapter 3); unlike the weights
-above it is differentiated.
+per token or GSPO's per sequence, is `log_importance_weights` (chapter 3, section 2); unlike the
+weights above it is differentiated.
 
 Chapter: :doc:`/book/13_mismatch`
 """

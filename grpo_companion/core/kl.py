@@ -18,7 +18,7 @@ rollout-rejection divergences of a sampler's log-ratio
 (`grpo_companion.core.importance.rollout_rejection_mask`) and DPPO's binary KL of one token
 (`grpo_companion.core.variants.dppo_mask`).
 
-Chapter: :doc:`/book/03_grpo_loss` (section 3), :doc:`/book/08_baselines` (section 6)
+Chapter: :doc:`/book/03_grpo_loss` (section 4), :doc:`/book/08_baselines` (section 6)
 """
 
 import torch
@@ -42,7 +42,7 @@ def exact_kl(log_probs: Tensor, ref_log_probs: Tensor, dim: int = -1) -> Tensor:
     (swap the arguments for KL(pi_ref || pi)). Outcomes with pi = 0 add 0. The quantity
     `kl_penalty`'s estimators estimate from one sampled token; differentiable in both.
 
-    Chapter: :doc:`/book/03_grpo_loss` (section 3)
+    Chapter: :doc:`/book/03_grpo_loss` (section 4)
     """
     _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
     probs = log_probs.exp()
@@ -56,7 +56,7 @@ def kl_penalty(
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi: the KL term of TRL's
     loss (coefficient ``beta``) and of verl's (``use_kl_loss``, ``kl_loss_type``).
 
-    Chapter: :doc:`/book/03_grpo_loss` (section 3)
+    Chapter: :doc:`/book/03_grpo_loss` (section 4)
 
     With x = log(pi / pi_ref) at the sampled token (Schulman, "Approximating
     KL divergence", 2020):
@@ -107,7 +107,7 @@ def bias_corrected_kl(
     "sequence") reweights them to pi. At rho = 1 its gradient is kl grad log pi + grad kl: for
     k3, log(pi / pi_ref) grad log pi, k2's.
 
-    Chapter: :doc:`/book/03_grpo_loss` (section 3)
+    Chapter: :doc:`/book/03_grpo_loss` (section 4)
     """
     return kl * torch.exp(log_importance_weights(log_probs, old_log_probs, mask, level))
 
@@ -119,7 +119,7 @@ def verl_kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, mode: str = "low_v
     gradient, (log pi - log pi_ref) grad log pi, the reverse KL's: a straight-through estimator.
     verl's "full" (the whole vocabulary) is not implemented there either.
 
-    Chapter: :doc:`/book/variants`, :doc:`/book/03_grpo_loss` (section 3)
+    Chapter: :doc:`/book/variants`, :doc:`/book/03_grpo_loss` (section 4)
     """
     base = mode.removesuffix("+")
     if base not in VERL_KL_PENALTIES:

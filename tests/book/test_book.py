@@ -368,7 +368,12 @@ typeset.then(decoded).then(() => done({
 
 @pytest.mark.parametrize(
     "page",
-    ["book/intro", *(f"book/{chapter}" for chapter in Project(ROOT).chapters), "book/references"],
+    [
+        "book/intro",
+        "book/syllabus",
+        *(f"book/{chapter}" for chapter in Project(ROOT).chapters),
+        "book/references",
+    ],
 )
 def test_rendered_page_in_a_real_browser(browser, built, page):
     driver, url = browser

@@ -69,7 +69,7 @@ def _arithmetic_prompts(tokenizer, num_prompts):
 
 
 def _kl_moments(scale):
-    """Chapter 3's section 3 at one distance: relative std and bias of each estimator."""
+    """Chapter 3's section 4 at one distance: relative std and bias of each estimator."""
     policy = SequencePolicy(vocab_size=2, length=3)
     ref_logits = policy.init_logits(0, scale=1.5)
     logits = ref_logits + scale * policy.init_logits(2)

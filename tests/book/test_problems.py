@@ -13,6 +13,12 @@ import pytest
 import torch
 
 from grpo_companion.chapters.credit import toy as credit_toy
+from grpo_companion.chapters.grpo_loss.surrogate import (
+    chi_square,
+    policy_gradient,
+    ratio_variance,
+    surrogate_gradient,
+)
 from grpo_companion.chapters.sparsity.rate import iid_degenerate_rate
 from grpo_companion.core.advantages import group_advantages, process_advantages
 from grpo_companion.core.exact import degenerate_rate_slope, estimator_moments
@@ -49,7 +55,7 @@ def test_problems_come_before_the_exercises_each_with_a_dropdown_solution(chapte
     titles = [section.split("\n", 1)[0] for section in sections]
     assert titles[-2:] == ["Problems", "Exercises"], chapter
     problems = PROBLEM.split(sections[-2])[1:]
-    assert 2 <= len(problems) <= 3, chapter
+    assert 2 <= len(problems) <= 5, chapter
     assert all(SOLUTION.search(problem) for problem in problems), chapter
     assert not any("python -m grpo_companion run" in problem for problem in problems), chapter
     # the scaffolding of the page: objectives near the top, a summary before the problems
@@ -166,6 +172,47 @@ def test_03_problem_3_token_weights_and_first_step_losses():
         (gradient,) = torch.autograd.grad(loss, leaf)
         assert loss.item() == pytest.approx(value, abs=1e-12), loss_type
         assert [float(gradient[0, 0]), float(gradient[1, 0])] == pytest.approx(weights), loss_type
+
+
+def test_03_problem_4_the_importance_sampling_identity_on_two_tokens():
+    # pi_old = (1/2, 1/2), pi = (3/4, 1/4), as one-token sequence policies
+    policy = SequencePolicy(vocab_size=2, length=1)
+    old_logits = torch.zeros(policy.logits_shape, dtype=torch.float64)
+    logits = old_logits.clone()
+    logits[0, -1, 0] = math.log(3.0)  # the start token's row
+    probs, old_probs = policy.probs(logits), policy.probs(old_logits)
+    assert probs.tolist() == pytest.approx([0.75, 0.25]) and old_probs.tolist() == [0.5, 0.5]
+    ratios = probs / old_probs
+    assert ratios.tolist() == pytest.approx([1.5, 0.5])
+    assert float(old_probs @ ratios) == pytest.approx(1.0, abs=1e-15)
+    assert ratio_variance(probs, old_probs) == pytest.approx(0.25, abs=1e-15)
+    assert chi_square(probs, old_probs) == pytest.approx(0.25, abs=1e-15)
+    kl = float(probs @ ratios.log())
+    assert kl == pytest.approx(0.131, abs=5e-4)
+    # (a): the gradient of E_old[rho A] is E_pi[A grad log pi], for any fixed advantages
+    advantages = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    torch.testing.assert_close(
+        surrogate_gradient(policy, logits, old_logits, advantages),
+        policy_gradient(policy, logits, advantages),
+        rtol=0,
+        atol=1e-15,
+    )
+
+
+def test_03_problem_5_the_clipped_gradient_outside_the_range():
+    # (rho, A) -> (objective, weight omega on A grad log pi): the solution's three tokens
+    cases = {(1.5, 1.0): (1.2, 0.0), (0.5, 1.0): (0.5, 0.5), (1.5, -1.0): (-1.5, 1.5)}
+    for (ratio, advantage), (objective, weight) in cases.items():
+        log_prob = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+        loss, _ = clipped_surrogate(
+            log_prob, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([advantage]),
+            epsilon=0.2,
+        )  # fmt: skip
+        (gradient,) = torch.autograd.grad(loss.sum(), log_prob)
+        assert -loss.item() == pytest.approx(objective, abs=1e-12)
+        # d loss / d log pi = -omega A: descent moves log pi by +omega A (times the step)
+        assert float(gradient) == pytest.approx(-weight * advantage, abs=1e-12)
+    assert float(gradient) == pytest.approx(1.5)  # the third token is pushed down
 
 
 def test_04_problem_1_strict_and_flexible():

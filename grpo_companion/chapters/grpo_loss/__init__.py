@@ -1,1 +1,2 @@
-"""Chapter 3, GRPO's loss: ratio clipping, the KL estimators and token aggregation."""
+"""Chapter 3, GRPO's loss: importance sampling and the PPO surrogate, ratio clipping, the KL
+estimators and token aggregation."""

@@ -1,4 +1,4 @@
-"""Chapter 3, section 3: the KL estimators k1, k2 and k3 as estimates of the sequence KL.
+"""Chapter 3, section 4: the KL estimators k1, k2 and k3 as estimates of the sequence KL.
 
 `sequence_kl` is KL(pi || pi_ref) over whole sequences, exactly; `kl_estimator_moments` gives the
 exact mean, bias and variance of each per-token estimator of `grpo_companion.core.kl.kl_penalty`
@@ -6,7 +6,7 @@ summed over a sequence y ~ pi, and `kl_estimator_table` adds a Monte Carlo check
 distances from the reference. What the estimators do as a loss (their mean gradients) is
 `grpo_companion.chapters.grpo_loss.kl_gradient`.
 
-Chapter: :doc:`/book/03_grpo_loss` (section 3: k1 and k3 are unbiased for the value, k2 is not).
+Chapter: :doc:`/book/03_grpo_loss` (section 4: k1 and k3 are unbiased for the value, k2 is not).
 """
 
 import math

@@ -8,7 +8,7 @@ KL(pi_ref || pi). A whole sequence's KL gradient has more: it also credits each 
 KL of the tokens after it. `kl_gradient_table` checks all of it by enumeration on a
 `SequencePolicy`; the estimators' values are `grpo_companion.chapters.grpo_loss.kl`.
 
-Chapter: :doc:`/book/03_grpo_loss` (section 3, where the mean gradients are derived).
+Chapter: :doc:`/book/03_grpo_loss` (section 4, where the mean gradients are derived).
 """
 
 import pandas as pd

@@ -15,8 +15,8 @@ TRL's and verl's policy losses (`POLICY_VARIANTS`) put on a token's REINFORCE te
 `token_weights` is d loss / d l_it for `grpo_companion.core.losses.aggregate`, and
 `length_bias_group` applies it to one group of short and long, right and wrong completions.
 
-Chapter: :doc:`/book/03_grpo_loss` (section 1: the loss at ratio 1; section 2: clipping and the
-other policy losses; section 4: token aggregation).
+Chapter: :doc:`/book/03_grpo_loss` (section 1: the loss at ratio 1; section 3: clipping and the
+other policy losses; section 5: token aggregation).
 """
 
 import math
